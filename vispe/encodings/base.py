@@ -1,0 +1,254 @@
+"""The encoding contract: one base class, a few hooks, composition.
+
+An encoding answers *how position enters the network*. It declares where it acts by overriding
+hooks; the host (the ViT, DETR, a user's model) calls every hook through the same interface and
+the attention layer keeps its fused path for encodings that only touch q and k.
+
+Hook shapes: ``x`` tokens ``(B, N, C)`` (prefix tokens first); ``q, k, v`` ``(B, H, N, hd)``;
+``bias`` returns an additive logit term ``(B | 1, H | 1, Nq, Nk)`` already in logit units (added
+after ``q.k * scale``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, FrozenSet, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..positions import Positions
+
+__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'HOOKS']
+
+HOOKS = ('embed', 'between_blocks', 'qk', 'bias', 'value', 'output', 'weights_value')
+
+
+@dataclass(frozen=True)
+class PEContext:
+    """What an encoding needs to know about its host to build its parameters.
+
+    Attributes:
+        dim: token width C.
+        num_heads: attention heads H.
+        head_dim: per-head width (defaults to ``dim // num_heads``).
+        depth: number of attention layers L (per-layer parameters are allocated for each).
+        grid_size: training token grid (``(h, w)`` or ``(t, h, w)``), when the host has one.
+        num_prefix_tokens: class / register tokens before the grid tokens.
+        embed_prefix: whether absolute tables have entries for prefix tokens (timm's
+            ``not no_embed_class``).
+    """
+    dim: int
+    num_heads: int = 1
+    head_dim: Optional[int] = None
+    depth: int = 1
+    grid_size: Optional[Tuple[int, ...]] = None
+    num_prefix_tokens: int = 0
+    embed_prefix: bool = True
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.dim % self.num_heads:
+                raise ValueError(f'dim={self.dim} is not divisible by num_heads={self.num_heads}; pass head_dim')
+            object.__setattr__(self, 'head_dim', self.dim // self.num_heads)
+        if self.grid_size is not None:
+            object.__setattr__(self, 'grid_size', tuple(int(g) for g in self.grid_size))
+
+
+class PositionalEncoding(nn.Module):
+    """Base class of every vispe encoding.
+
+    Subclasses override the hooks they use (the others are identities) and describe themselves
+    with class attributes, which the registry and the README table read:
+
+    * ``shift_invariant``: True if attention logits depend only on position differences, False if
+      not, None when the notion does not apply (absolute encodings);
+    * ``larger_input``: ``'extrapolate'``, ``'interpolate'``, ``'resample'`` or ``'n/a'``;
+    * ``paper``: the reference, ``needs_tokens``: ``qk`` wants the normed attention input,
+      ``changes_head_dim``: ``qk`` returns wider q/k (fused kernels may not apply).
+
+    State that depends only on positions and parameters is built in `_prepare` once per forward
+    and shared by all layers; `prepare` caches it in eval mode under ``no_grad`` while the
+    positions and parameters are unchanged.
+    """
+    shift_invariant: ClassVar[Optional[bool]] = None
+    larger_input: ClassVar[str] = 'n/a'
+    paper: ClassVar[str] = ''
+    needs_tokens: ClassVar[bool] = False
+    changes_head_dim: ClassVar[bool] = False
+    name: ClassVar[str] = ''
+
+    def __init__(self, ctx: PEContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self._cache: Optional[Tuple[Positions, Optional[Positions], tuple, Any]] = None
+
+    # ----------------------------------------------------------------- description
+    @property
+    def hooks(self) -> FrozenSet[str]:
+        """Names of the hooks this encoding implements."""
+        return frozenset(h for h in HOOKS if getattr(type(self), h) is not getattr(PositionalEncoding, h))
+
+    @property
+    def flash_eligible(self) -> bool:
+        """True when attention can stay on SDPA without a mask (flash / memory-efficient kernels)."""
+        return not (self.hooks & {'bias', 'weights_value'}) and not self.changes_head_dim
+
+    def no_weight_decay(self) -> set:
+        """Names (relative to this module) of parameters that must not be weight-decayed."""
+        return set()
+
+    # ----------------------------------------------------------------- state
+    def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> Any:
+        """Build the per-forward state shared by all layers (cached in eval mode)."""
+        cacheable = not self.training and not torch.is_grad_enabled() and not _compiling()
+        if not cacheable:
+            return self._prepare(pos_q, pos_k)
+        versions = tuple(p._version for p in self.parameters()) + (torch.is_inference_mode_enabled(),)
+        if self._cache is not None:
+            cq, ck, cv, state = self._cache
+            if cv == versions and cq.same_as(pos_q) and (
+                    (ck is None and pos_k is None) or (ck is not None and pos_k is not None and ck.same_as(pos_k))):
+                return state
+        state = self._prepare(pos_q, pos_k)
+        self._cache = (pos_q, pos_k, versions, state)
+        return state
+
+    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Any:
+        return None
+
+    def clear_cache(self) -> None:
+        self._cache = None
+
+    def train(self, mode: bool = True) -> 'PositionalEncoding':
+        self._cache = None
+        return super().train(mode)
+
+    def _apply(self, fn, recurse=True):
+        self._cache = None  # device / dtype moves invalidate cached state
+        return super()._apply(fn, recurse)
+
+    def set_grid_size(self, grid_size: Sequence[int]) -> None:
+        """Adapt grid-shaped parameters to a new training grid (``set_input_size``)."""
+        self.ctx = PEContext(**{**self.ctx.__dict__, 'grid_size': tuple(grid_size)})
+        self._cache = None
+
+    # ----------------------------------------------------------------- hooks
+    def embedding(self, pos: Positions) -> torch.Tensor:
+        """Additive embedding ``(N_total, C)`` or ``(B, N_total, C)`` for the tokens of ``pos``."""
+        raise NotImplementedError(f'{type(self).__name__} is not an additive encoding')
+
+    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
+        """Once, on the token sequence: ``x + embedding(pos)``."""
+        return x
+
+    def between_blocks(self, x: torch.Tensor, pos: Positions, index: int) -> torch.Tensor:
+        """After block ``index``."""
+        return x
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int,
+           x: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each attention: map q and k (``x`` is the attention's input, for token-conditioned maps)."""
+        return q, k
+
+    def bias(self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int) -> Optional[torch.Tensor]:
+        """Each attention: an additive logit term in logit units."""
+        return None
+
+    def value(self, v: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
+        """Each attention: map v before attention."""
+        return v
+
+    def output(self, o: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
+        """Each attention: map the per-head output ``(B, H, Nq, hd)`` before the heads merge."""
+        return o
+
+    def weights_value(self, attn: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
+        """Each attention, explicit path only: a term added to the output from the weights ``attn``."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class ComposedPE(PositionalEncoding):
+    """Several encodings acting together (``'rope_mixed+learned'``): every hook of each one runs.
+
+    Embeddings add, q/k and value maps chain in order, biases add, output maps chain in reverse
+    order (so a value transform and its output inverse nest correctly).
+    """
+
+    def __init__(self, ctx: PEContext, encodings: Sequence[PositionalEncoding]) -> None:
+        super().__init__(ctx)
+        self.encodings = nn.ModuleList(encodings)
+        self.name = '+'.join(e.name for e in encodings)
+
+    @property
+    def hooks(self) -> FrozenSet[str]:
+        return frozenset().union(*(e.hooks for e in self.encodings))
+
+    @property
+    def flash_eligible(self) -> bool:
+        return all(e.flash_eligible for e in self.encodings)
+
+    @property
+    def needs_tokens(self) -> bool:  # type: ignore[override]
+        return any(e.needs_tokens for e in self.encodings)
+
+    def no_weight_decay(self) -> set:
+        return {f'encodings.{i}.{n}' for i, e in enumerate(self.encodings) for n in e.no_weight_decay()}
+
+    def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> List[Any]:
+        return [e.prepare(pos_q, pos_k) for e in self.encodings]
+
+    def set_grid_size(self, grid_size: Sequence[int]) -> None:
+        super().set_grid_size(grid_size)
+        for e in self.encodings:
+            e.set_grid_size(grid_size)
+
+    def embedding(self, pos: Positions) -> torch.Tensor:
+        parts = [e.embedding(pos) for e in self.encodings if 'embed' in e.hooks]
+        if not parts:
+            raise NotImplementedError(f'{self.name} has no additive encoding')
+        return sum(parts[1:], parts[0])
+
+    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
+        for e in self.encodings:
+            x = e.embed(x, pos)
+        return x
+
+    def between_blocks(self, x: torch.Tensor, pos: Positions, index: int) -> torch.Tensor:
+        for e in self.encodings:
+            x = e.between_blocks(x, pos, index)
+        return x
+
+    def qk(self, q, k, state, layer, x=None):
+        for e, s in zip(self.encodings, state):
+            q, k = e.qk(q, k, s, layer, x=x)
+        return q, k
+
+    def bias(self, q, k, state, layer):
+        total = None
+        for e, s in zip(self.encodings, state):
+            b = e.bias(q, k, s, layer)
+            if b is not None:
+                total = b if total is None else total + b
+        return total
+
+    def value(self, v, state, layer):
+        for e, s in zip(self.encodings, state):
+            v = e.value(v, s, layer)
+        return v
+
+    def output(self, o, state, layer):
+        for e, s in zip(reversed(self.encodings), reversed(state)):
+            o = e.output(o, s, layer)
+        return o
+
+    def weights_value(self, attn, state, layer):
+        terms = [e.weights_value(attn, s, layer) for e, s in zip(self.encodings, state)
+                 if 'weights_value' in e.hooks]
+        return sum(terms[1:], terms[0])

@@ -1,0 +1,216 @@
+"""RoPE for vision (Heo et al., ECCV 2024, "Rotary Position Embedding for Vision Transformer").
+
+Both variants rotate consecutive channel pairs ``(2j, 2j + 1)`` of q and k by angles that are
+linear in the token coordinates, so ``q_i^T R(p_i)^T R(p_j) k_j`` depends on ``p_j - p_i`` only
+(exactly shift-invariant). Prefix tokens are not rotated. Coordinate axes are assigned to pairs in
+reverse grid order (x = column first, then y = row, then t), as RoPE-ViT does for 2D.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..positions import GridMode, Positions, grid_coordinates
+from ..registry import register_pe
+from .base import PEContext, PositionalEncoding
+from .rotary import (
+    FrequencyScaling, apply_pair_rotation, axial_frequencies, pad_prefix, rotation_table, scale_frequencies,
+)
+
+__all__ = ['RopeAxial', 'RopeMixed', 'PairRotaryPE']
+
+
+class PairRotaryPE(PositionalEncoding):
+    """Shared mechanics of pair-rotation encodings whose angles are linear in position.
+
+    Subclasses implement `angles(coords, pos)` returning ``(..., N, P)`` angles (and a magnitude
+    broadcastable to them); the state is one complex table per forward, prefix rows set to the
+    identity, shared by every layer (or indexed per layer when the table has a leading layer axis).
+    """
+    shift_invariant = True
+    per_layer: bool = False
+
+    def __init__(self, ctx: PEContext, grid_mode: GridMode) -> None:
+        super().__init__(ctx)
+        if ctx.head_dim % 2:
+            raise ValueError(f'encoding {self.name!r} needs an even head_dim, got head_dim={ctx.head_dim}')
+        self.grid_mode = grid_mode
+
+    def angles(self, coords: torch.Tensor, pos: Positions) -> Tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def table(self, pos: Positions) -> torch.Tensor:
+        """Complex rotation table: ``([L,] [B, 1,] N_total, P)``, prefix tokens = identity."""
+        coords = grid_coordinates(pos, self.grid_mode).flip(-1).float()  # x (column) first
+        theta, magnitude = self.angles(coords, pos)
+        rot = rotation_table(theta, magnitude)
+        rot = pad_prefix(rot, pos.num_prefix, dim=-2)
+        if pos.batched:  # (..., B, N, P) -> (..., B, 1, N, P): broadcast over heads
+            rot = rot.unsqueeze(-3)
+        return rot
+
+    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Tuple[torch.Tensor, torch.Tensor]:
+        rot_q = self.table(pos_q)
+        return rot_q, (rot_q if pos_k is None else self.table(pos_k))
+
+    def qk(self, q, k, state, layer, x=None):
+        rot_q, rot_k = state
+        if self.per_layer:
+            rot_q, rot_k = rot_q[layer], rot_k[layer]
+        return apply_pair_rotation(q, rot_q), apply_pair_rotation(k, rot_k)
+
+
+def _axis_factor(pos: Positions, axis: int, fixed: Optional[float]) -> Tuple[float, float]:
+    """(scaling factor, training length) of coordinate axis ``axis`` (in reversed order)."""
+    if pos.grid is None or pos.train_grid is None:
+        return (fixed or 1.0), 1.0
+    g, t = pos.grid[::-1][axis], pos.train_grid[::-1][axis]
+    return (fixed if fixed is not None else g / t), float(t)
+
+
+@register_pe('rope_axial', family='rope')
+class RopeAxial(PairRotaryPE):
+    """RoPE-Axial (Heo et al., ECCV 2024): fixed frequencies, one axis per group of pairs.
+
+    The ``hd/2`` pairs are split evenly between the D coordinate axes (x first); axis ``a`` rotates
+    its ``P_a`` pairs by ``p_a * f_k`` with ``f_k = 1 / theta^(k / P_a)`` (for 2D, ``1/theta^(4k/hd)``);
+    leftover pairs (``hd/2`` not divisible by D) are not rotated. Integer patch indices by default,
+    so a larger input extrapolates; ``grid_mode='normalized'`` interpolates instead.
+
+    Frequency scaling for larger inputs, per axis with factor ``n / n_train`` (or ``scaling_factor``):
+    ``linear`` (position interpolation), ``ntk`` (NTK-aware base), ``yarn`` (YaRN by parts).
+
+    Args:
+        theta: frequency base (100 in RoPE-ViT).
+        grid_mode: ``index`` or ``normalized``.
+        scaling: frequency scaling for inputs larger than the training grid.
+        scaling_factor: fixed factor instead of the per-axis ratio to the training grid.
+        yarn_beta_fast: YaRN ramp end (turns over the training length).
+        yarn_beta_slow: YaRN ramp start.
+    """
+    larger_input = 'extrapolate'
+    paper = 'Heo et al., ECCV 2024 (RoPE-ViT), arXiv:2403.13298'
+
+    def __init__(
+            self,
+            ctx: PEContext,
+            *,
+            theta: float = 100.0,
+            grid_mode: GridMode = 'index',
+            scaling: FrequencyScaling = 'none',
+            scaling_factor: Optional[float] = None,
+            yarn_beta_fast: float = 32.0,
+            yarn_beta_slow: float = 1.0,
+    ) -> None:
+        super().__init__(ctx, grid_mode)
+        if ctx.grid_size is not None and ctx.head_dim // 2 < len(ctx.grid_size):
+            raise ValueError(f"encoding 'rope_axial' needs head_dim >= {2 * len(ctx.grid_size)} for a "
+                             f"{len(ctx.grid_size)}D grid, got head_dim={ctx.head_dim}")
+        self.theta = theta
+        self.scaling = scaling
+        self.scaling_factor = scaling_factor
+        self.yarn_betas = (yarn_beta_fast, yarn_beta_slow)
+
+    def axis_frequencies(self, num_axes: int) -> torch.Tensor:
+        """``(P_a,)`` base frequencies of each axis (same for every axis)."""
+        per_axis = self.ctx.head_dim // 2 // num_axes
+        if per_axis == 0:
+            raise ValueError(f"encoding 'rope_axial' needs head_dim >= {2 * num_axes} for {num_axes} axes, "
+                             f"got head_dim={self.ctx.head_dim}")
+        return axial_frequencies(per_axis, self.theta, step=2.0, dim=2 * per_axis)
+
+    def angles(self, coords, pos):
+        axes = coords.shape[-1]
+        base = self.axis_frequencies(axes).to(coords.device)
+        thetas, mags = [], []
+        for a in range(axes):
+            factor, train_len = _axis_factor(pos, a, self.scaling_factor)
+            freqs, mag = scale_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas)
+            thetas.append(coords[..., a:a + 1] * freqs)
+            mags.append(torch.full_like(freqs, mag))
+        return torch.cat(thetas, -1), torch.cat(mags, -1)
+
+
+@register_pe('rope_mixed', family='rope')
+class RopeMixed(PairRotaryPE):
+    """RoPE-Mixed (Heo et al., ECCV 2024): learned D-dimensional frequency per layer, head and pair.
+
+    The angle of pair ``k`` is ``sum_a p_a f_a`` (x first), still linear in position, hence exactly
+    shift-invariant. Parameter ``freqs`` has shape ``(D, L, H, hd/2)``. Init (the paper's, theta 10):
+    per layer and head a random angle ``alpha ~ U[0, 2pi)``; magnitudes ``1/theta^(4k/hd)``,
+    ``k < hd/4``; the first half of the pairs point along ``alpha``, the second half along
+    ``alpha + pi/2``. For D != 2 each pair gets a random unit direction instead. The frequencies
+    are excluded from weight decay.
+
+    Args:
+        theta: base of the initial magnitudes (10).
+        num_axes: coordinate axes D (default: the host grid's, else 2).
+        grid_mode: ``index`` or ``normalized``.
+        scaling: ``linear`` or ``yarn`` frequency scaling for larger inputs (per axis).
+        scaling_factor: fixed factor instead of the per-axis ratio to the training grid.
+    """
+    larger_input = 'extrapolate'
+    paper = 'Heo et al., ECCV 2024 (RoPE-ViT), arXiv:2403.13298'
+    per_layer = True
+
+    def __init__(
+            self,
+            ctx: PEContext,
+            *,
+            theta: float = 10.0,
+            num_axes: Optional[int] = None,
+            grid_mode: GridMode = 'index',
+            scaling: Literal['none', 'linear', 'yarn'] = 'none',
+            scaling_factor: Optional[float] = None,
+    ) -> None:
+        super().__init__(ctx, grid_mode)
+        if ctx.head_dim % 4:
+            raise ValueError(f"encoding 'rope_mixed' needs head_dim divisible by 4 (two halves of pairs), "
+                             f"got head_dim={ctx.head_dim}")
+        self.num_axes = num_axes or (len(ctx.grid_size) if ctx.grid_size else 2)
+        self.theta = theta
+        self.scaling = scaling
+        self.scaling_factor = scaling_factor
+        self.freqs = nn.Parameter(self.init_freqs(self.num_axes, ctx.depth, ctx.num_heads, ctx.head_dim, theta))
+
+    @staticmethod
+    def init_freqs(num_axes: int, depth: int, num_heads: int, head_dim: int, theta: float) -> torch.Tensor:
+        """The paper's random 2D init, ``(D, L, H, hd/2)``."""
+        mag = axial_frequencies(head_dim // 4, theta, step=4.0, dim=head_dim)
+        mag = torch.cat([mag, mag])
+        if num_axes == 2:
+            alpha = torch.rand(depth, num_heads, 1) * 2 * math.pi
+            quarter = head_dim // 4
+            angle = torch.cat([alpha.expand(-1, -1, quarter), (alpha + math.pi / 2).expand(-1, -1, quarter)], -1)
+            direction = torch.stack([angle.cos(), angle.sin()])
+        else:
+            direction = torch.randn(num_axes, depth, num_heads, head_dim // 2)
+            direction = direction / direction.norm(dim=0, keepdim=True)
+        return direction * mag
+
+    def no_weight_decay(self) -> set:
+        return {'freqs'}
+
+    def angles(self, coords, pos):
+        if coords.shape[-1] != self.num_axes:
+            raise ValueError(f"encoding 'rope_mixed' was built for {self.num_axes} coordinate axes, "
+                             f"positions have {coords.shape[-1]}")
+        theta = 0
+        mag = 1.0
+        for a in range(self.num_axes):
+            factor, train_len = _axis_factor(pos, a, self.scaling_factor)
+            freqs, m = scale_frequencies(self.freqs[a].float(), factor, self.scaling, train_len)
+            mag = max(mag, m)
+            # (L, H, P) x (..., N) -> (L, ..., H, N, P) with batch dims before heads
+            c = coords[..., a]
+            f = freqs.reshape(freqs.shape[0], *([1] * (c.dim() - 1)), freqs.shape[1], 1, freqs.shape[2])
+            theta = theta + c.unsqueeze(-1).unsqueeze(-3) * f
+        return theta, mag
+
+    def table(self, pos: Positions) -> torch.Tensor:
+        coords = grid_coordinates(pos, self.grid_mode).flip(-1).float()
+        theta, magnitude = self.angles(coords, pos)  # (L, [B,] H, N, P)
+        return pad_prefix(rotation_table(theta, magnitude), pos.num_prefix, dim=-2)

@@ -1,0 +1,390 @@
+"""timm's VisionTransformer with a swappable positional encoding (``pe=...``), registered in timm.
+
+``import vispe`` registers, for each size in `VIT_SIZES`, ``vispe_vit_<size>_patch16_224`` and the
+short alias ``vit_<size>`` (timm itself has no model of that name). Each points its pretrained
+config at timm's own ViT weights, so ``pretrained=True`` (or ``pretrained_cfg_overlay=dict(file=...)``
+offline) loads a timm checkpoint, keeps every shared weight and initialises the new encoding.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+from timm.layers import PatchDropoutWithIndices, resample_abs_pos_embed
+from timm.models import generate_default_cfgs, register_model
+from timm.models._builder import build_model_with_cfg
+from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint
+from timm.models.vision_transformer import Block
+from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
+from timm.models.vision_transformer import checkpoint_filter_fn as timm_checkpoint_filter_fn
+from torch import nn
+
+from . import positions as P
+from .attention import PEAttention
+from .encodings.absolute import LearnedPE
+from .encodings.base import ComposedPE, PEContext, PositionalEncoding
+from .registry import PESpec, create_pe
+
+__all__ = ['VisionTransformer', 'PEBlock', 'TubeletEmbed', 'VIT_SIZES', 'checkpoint_filter_fn',
+           'load_timm_checkpoint']
+
+_logger = logging.getLogger(__name__)
+
+
+class PEBlock(Block):
+    """timm's pre-norm `Block` whose attention receives the encoding and its per-forward state."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), pe=pe, state=state, attn_mask=attn_mask,
+                                                   is_causal=is_causal)))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+class TubeletEmbed(nn.Module):
+    """Video patch embedding: a Conv3d over ``(tubelet, patch, patch)`` cubes (ViViT / VideoMAE).
+
+    Input ``(B, C, T, H, W)``; output ``(B, T', H', W', D)`` (channels last, like timm's dynamic
+    `PatchEmbed`), so the host reads the ``(t, h, w)`` grid from the shape.
+    """
+
+    def __init__(self, img_size: Tuple[int, int], patch_size: int, num_frames: int, tubelet: int,
+                 in_chans: int, embed_dim: int, bias: bool = True) -> None:
+        super().__init__()
+        self.patch_size = (patch_size, patch_size)
+        self.tubelet = tubelet
+        self.img_size = img_size
+        self.grid_size = (num_frames // tubelet, img_size[0] // patch_size, img_size[1] // patch_size)
+        self.num_patches = math.prod(self.grid_size)
+        self.proj = nn.Conv3d(in_chans, embed_dim, (tubelet, patch_size, patch_size),
+                              stride=(tubelet, patch_size, patch_size), bias=bias)
+
+    def feat_ratio(self, as_scalar: bool = True):
+        return self.patch_size[0] if as_scalar else self.patch_size
+
+    def dynamic_feat_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
+        return img_size[0] // self.patch_size[0], img_size[1] // self.patch_size[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).permute(0, 2, 3, 4, 1)
+
+
+class VisionTransformer(TimmVisionTransformer):
+    """timm's ViT with the positional encoding as an argument (``pe``).
+
+    Positions are built per forward from the token grid (``(h, w)``, or ``(t, h, w)`` for video)
+    and handed to every hook of the encoding: ``embed`` once, ``between_blocks`` after each block,
+    and, through `PEAttention`, ``qk``/``bias``/``value``/``output`` in every attention layer, with
+    the state from one ``prepare`` per forward. Everything else (parameter names, heads, pooling,
+    ``forward_intermediates``, gradient checkpointing, ``set_input_size``) is timm's.
+
+    Args:
+        pe: encoding spec (``'rope_mixed'``, ``'irpe+learned'``, ``{'name': 'rope_axial', 'theta': 100}``).
+        dynamic_img_size: accept any input size the patch size divides (default on).
+        video: take ``(B, C, T, H, W)`` clips with a tubelet embedding.
+        num_frames: frames of the training clip (video only).
+        tubelet: frames per tubelet (video only).
+        kwargs: timm `VisionTransformer` arguments (``pos_embed`` is replaced by ``pe``).
+    """
+
+    def __init__(
+            self,
+            pe: PESpec = 'learned',
+            dynamic_img_size: bool = True,
+            video: bool = False,
+            num_frames: int = 8,
+            tubelet: int = 2,
+            **kwargs: Any,
+    ) -> None:
+        if 'pos_embed' in kwargs:
+            raise ValueError("argument pos_embed is replaced by pe= in vispe models (e.g. pe='learned' or pe='none')")
+        patch_drop_rate = kwargs.pop('patch_drop_rate', 0.0)
+        super().__init__(pos_embed='none', dynamic_img_size=dynamic_img_size, block_fn=PEBlock,
+                         attn_layer=PEAttention, **kwargs)
+        for i, blk in enumerate(self.blocks):
+            blk.attn.layer_index = i
+        self.video = video
+        if video:
+            if num_frames % tubelet:
+                raise ValueError(f'num_frames={num_frames} must be divisible by tubelet={tubelet}')
+            pe_old = self.patch_embed
+            self.patch_embed = TubeletEmbed(tuple(pe_old.img_size), pe_old.patch_size[0], num_frames, tubelet,
+                                            self.in_chans, self.embed_dim, bias=pe_old.proj.bias is not None)
+        self.patch_drop = PatchDropoutWithIndices(patch_drop_rate, num_prefix_tokens=self.num_prefix_tokens) \
+            if patch_drop_rate > 0 else None
+        head_dim = self.blocks[0].attn.head_dim if len(self.blocks) else self.embed_dim
+        self.pe_context = PEContext(
+            dim=self.embed_dim, num_heads=self.blocks[0].attn.num_heads if len(self.blocks) else 1,
+            head_dim=head_dim, depth=len(self.blocks), grid_size=tuple(self.patch_embed.grid_size),
+            num_prefix_tokens=self.num_prefix_tokens, embed_prefix=not self.no_embed_class)
+        self.pe = create_pe(pe, self.pe_context)
+        if self.patch_drop is not None and 'between_blocks' in self.pe.hooks:
+            raise ValueError(f'patch_drop_rate > 0 cannot be combined with pe={pe!r}: it needs the full token grid')
+
+    # ------------------------------------------------------------------ timm contract
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return {'cls_token', 'reg_token', 'dist_token'} | {f'pe.{n}' for n in self.pe.no_weight_decay()}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(stem=r'^cls_token|reg_token|pe\.|patch_embed|norm_pre',
+                    blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
+
+    def set_input_size(self, img_size: Optional[Tuple[int, int]] = None,
+                       patch_size: Optional[Tuple[int, int]] = None) -> None:
+        if self.video:
+            raise NotImplementedError('set_input_size is not supported for video models')
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
+        self.pe.set_grid_size(tuple(self.patch_embed.grid_size))
+        self.pe_context = self.pe.ctx
+
+    # ------------------------------------------------------------------ forward
+    def _check_input(self, x: torch.Tensor) -> None:
+        want = 5 if self.video else 4
+        if x.dim() != want:
+            layout = '(B, C, T, H, W)' if self.video else '(B, C, H, W)'
+            raise ValueError(f'input must be {layout}, got shape {tuple(x.shape)}')
+        ph, pw = self.patch_embed.patch_size
+        h, w = x.shape[-2:]
+        if (h % ph or w % pw) and not getattr(self.patch_embed, 'dynamic_img_pad', False):
+            raise ValueError(f'input size {h}x{w} is not divisible by the patch size {ph}x{pw}; '
+                             f'use a size that is a multiple of {ph}x{pw}')
+        if self.video and x.shape[2] % self.patch_embed.tubelet:
+            raise ValueError(f'clip length {x.shape[2]} is not divisible by tubelet={self.patch_embed.tubelet}')
+
+    def positions(self, grid: Sequence[int], device: torch.device) -> P.Positions:
+        """The positions of a token grid of this model (integer indices, prefix tokens first)."""
+        return P.grid(*grid, num_prefix=self.num_prefix_tokens, train_grid=self.patch_embed.grid_size,
+                      device=device)
+
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, P.Positions]:
+        self._check_input(x)
+        x = self.patch_embed(x)
+        if x.dim() > 3:  # channels-last grid
+            grid = tuple(x.shape[1:-1])
+            x = x.reshape(x.shape[0], -1, x.shape[-1])
+        else:
+            grid = tuple(self.patch_embed.grid_size)
+        prefix = []
+        if self.cls_token is not None:
+            prefix.append(self.cls_token.expand(x.shape[0], -1, -1))
+        if self.reg_token is not None:
+            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
+        if prefix:
+            x = torch.cat(prefix + [x], dim=1)
+        pos = self.positions(grid, x.device)
+        x = self.pos_drop(self.pe.embed(x, pos))
+        if self.patch_drop is not None:
+            x, keep = self.patch_drop(x)
+            if keep is not None:
+                pos = pos.select(keep)
+        return self.norm_pre(x), pos
+
+    def _blocks(self, x: torch.Tensor, pos: P.Positions, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                take: Sequence[int] = (), stop: Optional[int] = None, norm: bool = False):
+        state = self.pe.prepare(pos)
+        taken = []
+        blocks = self.blocks if stop is None else self.blocks[:stop + 1]
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, self.pe, state, attn_mask, is_causal)
+            else:
+                x = blk(x, pe=self.pe, state=state, attn_mask=attn_mask, is_causal=is_causal)
+            x = self.pe.between_blocks(x, pos, i)
+            if i in take:
+                taken.append(self.norm(x) if norm else x)
+        return x, taken
+
+    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                         is_causal: bool = False) -> torch.Tensor:
+        x, pos = self._embed(x)
+        x, _ = self._blocks(x, pos, attn_mask, is_causal)
+        return self.norm(x)
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            return_prefix_tokens: bool = False,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+            output_dict: bool = False,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+    ):
+        """timm's `forward_intermediates` (same arguments and outputs)."""
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take, max_index = feature_take_indices(len(self.blocks), indices)
+        B = x.shape[0]
+        x, pos = self._embed(x)
+        x, inter = self._blocks(x, pos, attn_mask, is_causal, take=take,
+                                stop=max_index if stop_early else None, norm=norm)
+        npre = self.num_prefix_tokens
+        prefix = [y[:, :npre] for y in inter] if npre else None
+        inter = [y[:, npre:] for y in inter]
+        if output_fmt == 'NCHW':
+            if pos.grid is None:
+                raise ValueError("output_fmt='NCHW' needs the full token grid (disable patch dropout)")
+            inter = [y.reshape(B, *pos.grid, -1).movedim(-1, 1).contiguous() for y in inter]
+        if output_dict:
+            out: Dict[str, Any] = {'image_intermediates': inter}
+            if prefix is not None and return_prefix_tokens:
+                out['image_intermediates_prefix'] = prefix
+            if not intermediates_only:
+                out['image_features'] = self.norm(x)
+            return out
+        if return_prefix_tokens and prefix is not None:
+            inter = list(zip(inter, prefix))
+        if intermediates_only:
+            return inter
+        return self.norm(x), inter
+
+
+# ---------------------------------------------------------------------- pretrained weights
+@dataclass
+class LoadReport:
+    """What loading a timm checkpoint into a vispe ViT did, key by key."""
+    dropped: List[str]
+    initialized: List[str]
+    resampled: List[str]
+
+    def __str__(self) -> str:
+        return (f'dropped {self.dropped or "nothing"}; initialised {self.initialized or "nothing"}; '
+                f'resampled {self.resampled or "nothing"}')
+
+
+def _learned_tables(pe: PositionalEncoding, prefix: str = 'pe.') -> List[Tuple[str, LearnedPE]]:
+    if isinstance(pe, LearnedPE):
+        return [(prefix + 'pos_embed', pe)]
+    if isinstance(pe, ComposedPE):
+        return [t for i, e in enumerate(pe.encodings) for t in _learned_tables(e, f'{prefix}encodings.{i}.')]
+    return []
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTransformer) -> Dict[str, torch.Tensor]:
+    """Adapt a timm ViT state dict to a vispe ViT with any encoding, and validate it.
+
+    timm's own filter converts the formats it knows (patch-embed resampling, CLIP / DINOv2 layouts);
+    then ``pos_embed`` moves into the learned encoding (resampled to its grid) or is dropped, and the
+    encoding's parameters are marked as initialised. Keys that the model lacks, or model weights the
+    checkpoint lacks outside the encoding and the classifier, raise: that is a different architecture.
+    The report is logged and stored as ``model.pretrained_report``.
+    """
+    sd = timm_checkpoint_filter_fn(state_dict, model)
+    dropped, resampled = [], []
+    table = sd.pop('pos_embed', None)
+    learned = _learned_tables(model.pe)
+    if table is not None:
+        if learned:
+            for key, enc in learned:
+                npre = enc.num_table_prefix
+                old_n = table.shape[1] - npre
+                old = (int(math.isqrt(old_n)),) * 2
+                if old[0] * old[1] != old_n:
+                    raise ValueError(f'checkpoint pos_embed has {old_n} grid rows, not a square grid')
+                v = table
+                if old != tuple(enc.ctx.grid_size):
+                    v = resample_abs_pos_embed(table, new_size=list(enc.ctx.grid_size), old_size=list(old),
+                                               num_prefix_tokens=npre, interpolation=enc.interpolation,
+                                               antialias=enc.antialias)
+                    resampled.append(key)
+                sd[key] = v
+        else:
+            dropped.append('pos_embed')
+    model_keys = set(model.state_dict().keys())
+    unexpected = sorted(k for k in sd if k not in model_keys)
+    missing = sorted(k for k in model_keys - set(sd) if not k.startswith('pe.') and not k.startswith('head.'))
+    if unexpected or missing:
+        raise ValueError(
+            'checkpoint does not match this architecture (other depth, width or layout?): '
+            f'unexpected keys {unexpected[:8]}{"..." if len(unexpected) > 8 else ""}, '
+            f'missing keys {missing[:8]}{"..." if len(missing) > 8 else ""}')
+    initialized = sorted(k for k in model_keys if k.startswith('pe.') and k not in sd)
+    report = LoadReport(dropped=dropped, initialized=initialized, resampled=resampled)
+    model.pretrained_report = report
+    _logger.info('vispe: loaded timm checkpoint into pe=%s: %s', model.pe.name, report)
+    return sd
+
+
+def load_timm_checkpoint(model: VisionTransformer, checkpoint: Union[str, Dict[str, torch.Tensor]]) -> LoadReport:
+    """Load a timm ViT checkpoint (path or state dict) into ``model``; returns what was dropped / initialised.
+
+    The classifier is kept when its shape matches and left initialised (and reported) otherwise.
+    """
+    if isinstance(checkpoint, str):
+        from timm.models import load_state_dict
+        checkpoint = load_state_dict(checkpoint)
+    sd = checkpoint_filter_fn(dict(checkpoint), model)
+    report = model.pretrained_report
+    head = model.state_dict()
+    for k in [k for k in sd if k.startswith('head.')]:
+        if k not in head or sd[k].shape != head[k].shape:
+            sd.pop(k)
+            report.dropped.append(k)
+    missing = model.load_state_dict(sd, strict=False).missing_keys
+    report.initialized = sorted(set(report.initialized) | {k for k in missing if k.startswith('head.')})
+    return report
+
+
+# ---------------------------------------------------------------------- registration
+@dataclass(frozen=True)
+class _Size:
+    embed_dim: int
+    depth: int
+    num_heads: int
+    timm_weights: str  # timm's matching ViT-*/16 224 weights (name.tag)
+
+
+VIT_SIZES: Dict[str, _Size] = {
+    'tiny': _Size(192, 12, 3, 'vit_tiny_patch16_224.augreg_in21k_ft_in1k'),
+    'small': _Size(384, 12, 6, 'vit_small_patch16_224.augreg_in21k_ft_in1k'),
+    'base': _Size(768, 12, 12, 'vit_base_patch16_224.augreg2_in21k_ft_in1k'),
+    'large': _Size(1024, 24, 16, 'vit_large_patch16_224.augreg_in21k_ft_in1k'),
+}
+
+
+def _cfg(timm_weights: str) -> Dict[str, Any]:
+    return dict(
+        hf_hub_id=f'timm/{timm_weights}', num_classes=1000, input_size=(3, 224, 224), pool_size=None,
+        crop_pct=0.9, interpolation='bicubic', fixed_input_size=False, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
+        first_conv='patch_embed.proj', classifier='head', license='apache-2.0')
+
+
+def _names(size: str) -> Tuple[str, str]:
+    return f'vispe_vit_{size}_patch16_224', f'vit_{size}'
+
+
+default_cfgs = generate_default_cfgs({
+    f'{name}.{spec.timm_weights.split(".", 1)[1]}': _cfg(spec.timm_weights)
+    for size, spec in VIT_SIZES.items() for name in _names(size)
+})
+
+
+def _create(variant: str, pretrained: bool, **kwargs: Any) -> VisionTransformer:
+    return build_model_with_cfg(VisionTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                pretrained_strict=False, feature_cfg=dict(out_indices=3, feature_cls='getter'),
+                                **kwargs)
+
+
+def _entrypoint(name: str, spec: _Size):
+    def create(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+        args = dict(patch_size=16, embed_dim=spec.embed_dim, depth=spec.depth, num_heads=spec.num_heads)
+        return _create(name, pretrained, **dict(args, **kwargs))
+    create.__name__ = create.__qualname__ = name
+    create.__module__ = __name__
+    create.__doc__ = (f'ViT-{spec.embed_dim}d x {spec.depth} (patch 16, 224) with a swappable encoding '
+                      f'(pe=...); pretrained weights: timm {spec.timm_weights}.')
+    return register_model(create)
+
+
+for _size, _spec in VIT_SIZES.items():
+    for _name in _names(_size):
+        globals()[_name] = _entrypoint(_name, _spec)
