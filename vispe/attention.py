@@ -152,6 +152,7 @@ class PEAttention(nn.Module):
         self.attn_dim = num_heads * head_dim
         self.scale = head_dim ** -0.5
         self.layer_index = layer_index
+        self.fused_attn = True  # as timm: False selects the explicit softmax path (reference / debugging)
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
@@ -174,6 +175,7 @@ class PEAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         o = pe_attention(
             q, k, v, pe, state, self.layer_index, x=x, attn_mask=attn_mask,
-            dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale, is_causal=is_causal)
+            dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale, is_causal=is_causal,
+            force_explicit=not self.fused_attn)
         o = o.transpose(1, 2).reshape(B, N, self.attn_dim)
         return self.proj_drop(self.proj(self.norm(o)))

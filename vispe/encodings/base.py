@@ -64,7 +64,9 @@ class PositionalEncoding(nn.Module):
       not, None when the notion does not apply (absolute encodings);
     * ``larger_input``: ``'extrapolate'``, ``'interpolate'``, ``'resample'`` or ``'n/a'``;
     * ``paper``: the reference, ``needs_tokens``: ``qk`` wants the normed attention input,
-      ``changes_head_dim``: ``qk`` returns wider q/k (fused kernels may not apply).
+      ``changes_head_dim``: ``qk`` returns wider q/k (fused kernels may not apply);
+    * ``requires``: `Positions` fields beyond coordinates that the encoding reads (e.g.
+      ``'cameras'``); a plain image ViT supplies none of them.
 
     State that depends only on positions and parameters is built in `_prepare` once per forward
     and shared by all layers; `prepare` caches it in eval mode under ``no_grad`` while the
@@ -75,6 +77,7 @@ class PositionalEncoding(nn.Module):
     paper: ClassVar[str] = ''
     needs_tokens: ClassVar[bool] = False
     changes_head_dim: ClassVar[bool] = False
+    requires: ClassVar[FrozenSet[str]] = frozenset()
     name: ClassVar[str] = ''
 
     def __init__(self, ctx: PEContext) -> None:

@@ -2,7 +2,8 @@
 
 Both variants rotate consecutive channel pairs ``(2j, 2j + 1)`` of q and k by angles that are
 linear in the token coordinates, so ``q_i^T R(p_i)^T R(p_j) k_j`` depends on ``p_j - p_i`` only
-(exactly shift-invariant). Prefix tokens are not rotated. Coordinate axes are assigned to pairs in
+(exactly shift-invariant between patch tokens). Prefix tokens are not rotated, so their logits
+with patch tokens see absolute position, as in RoPE-ViT. Coordinate axes are assigned to pairs in
 reverse grid order (x = column first, then y = row, then t), as RoPE-ViT does for 2D.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from .base import PEContext, PositionalEncoding
 from .rotary import (
-    FrequencyScaling, apply_pair_rotation, axial_frequencies, pad_prefix, rotation_table, scale_frequencies,
+    FrequencyScaling, apply_pair_rotation, axial_frequencies, compute_dtype, pad_prefix, rotation_table, scale_frequencies,
 )
 
 __all__ = ['RopeAxial', 'RopeMixed', 'PairRotaryPE']
@@ -44,7 +45,8 @@ class PairRotaryPE(PositionalEncoding):
 
     def table(self, pos: Positions) -> torch.Tensor:
         """Complex rotation table: ``([L,] [B, 1,] N_total, P)``, prefix tokens = identity."""
-        coords = grid_coordinates(pos, self.grid_mode).flip(-1).float()  # x (column) first
+        coords = grid_coordinates(pos, self.grid_mode).flip(-1)  # x (column) first
+        coords = coords.to(compute_dtype(coords))
         theta, magnitude = self.angles(coords, pos)
         rot = rotation_table(theta, magnitude)
         rot = pad_prefix(rot, pos.num_prefix, dim=-2)
@@ -124,7 +126,7 @@ class RopeAxial(PairRotaryPE):
 
     def angles(self, coords, pos):
         axes = coords.shape[-1]
-        base = self.axis_frequencies(axes).to(coords.device)
+        base = self.axis_frequencies(axes).to(device=coords.device, dtype=coords.dtype)
         thetas, mags = [], []
         for a in range(axes):
             factor, train_len = _axis_factor(pos, a, self.scaling_factor)
@@ -202,7 +204,7 @@ class RopeMixed(PairRotaryPE):
         mag = 1.0
         for a in range(self.num_axes):
             factor, train_len = _axis_factor(pos, a, self.scaling_factor)
-            freqs, m = scale_frequencies(self.freqs[a].float(), factor, self.scaling, train_len)
+            freqs, m = scale_frequencies(self.freqs[a].to(coords.dtype), factor, self.scaling, train_len)
             mag = max(mag, m)
             # (L, H, P) x (..., N) -> (L, ..., H, N, P) with batch dims before heads
             c = coords[..., a]
@@ -211,6 +213,7 @@ class RopeMixed(PairRotaryPE):
         return theta, mag
 
     def table(self, pos: Positions) -> torch.Tensor:
-        coords = grid_coordinates(pos, self.grid_mode).flip(-1).float()
+        coords = grid_coordinates(pos, self.grid_mode).flip(-1)
+        coords = coords.to(compute_dtype(coords))
         theta, magnitude = self.angles(coords, pos)  # (L, [B,] H, N, P)
         return pad_prefix(rotation_table(theta, magnitude), pos.num_prefix, dim=-2)

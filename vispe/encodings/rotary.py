@@ -2,7 +2,8 @@
 
 Every rotation encoding in vispe (RoPE-axial/mixed, ComRoPE, LieRE, STRING, GTA, M-RoPE) applies
 its rotation through the functions here, so the kernels and their precision rules live once:
-angles and matrices are built in float32 and the result is cast back to the activation dtype.
+angles and matrices are built in float32 (float64 inputs stay float64) and the result is cast back
+to the activation dtype.
 
 Two pair layouts exist in the field:
 
@@ -18,7 +19,7 @@ import torch
 
 __all__ = [
     'PairLayout', 'FrequencyScaling', 'axial_frequencies', 'scale_frequencies', 'rotation_table',
-    'apply_pair_rotation', 'apply_block_rotation', 'pad_prefix',
+    'apply_pair_rotation', 'apply_block_rotation', 'pad_prefix', 'compute_dtype',
 ]
 
 PairLayout = Literal['interleaved', 'half']
@@ -74,12 +75,17 @@ def scale_frequencies(
     raise ValueError(f"frequency scaling must be one of ('none', 'linear', 'ntk', 'yarn'), got {method!r}")
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (exactness tests), everything else computes in float32."""
+    return torch.float64 if t.dtype in (torch.float64, torch.complex128) else torch.float32
+
+
 def rotation_table(angles: torch.Tensor, magnitude: Union[float, torch.Tensor] = 1.0) -> torch.Tensor:
     """Complex numbers ``magnitude * exp(i * angles)`` (complex64) for `apply_pair_rotation`.
 
     ``magnitude`` (a scalar or a tensor broadcastable to ``angles``) is 1 except for YaRN.
     """
-    angles = angles.float()
+    angles = angles.to(torch.promote_types(angles.dtype, torch.float32))  # float64 stays float64
     return torch.polar(torch.ones_like(angles) * magnitude, angles)
 
 
@@ -98,19 +104,22 @@ def apply_pair_rotation(x: torch.Tensor, rot: torch.Tensor, layout: PairLayout =
 
     ``rot`` broadcasts against ``x``'s leading dims; ``P <= hd / 2`` pairs are rotated: the first
     ``2P`` channels, the rest pass through unchanged (partial rotary). The product is taken in float32
-    (complex64) and cast back to ``x.dtype``.
+    (complex64; float64 input stays float64) and cast back to ``x.dtype``.
     """
     hd = x.shape[-1]
     pairs = rot.shape[-1]
+    cdt = compute_dtype(x)
+    rot = rot.to(torch.complex128 if cdt == torch.float64 else torch.complex64)
+    ct = torch.promote_types(x.dtype, torch.float32)  # at least float32; float64 is not downcast
     if 2 * pairs > hd:
         raise ValueError(f'rotation has {pairs} pairs but head dim is {hd}')
     if layout == 'interleaved':
         rotated, rest = (x, None) if 2 * pairs == hd else (x[..., :2 * pairs], x[..., 2 * pairs:])
-        xc = torch.view_as_complex(rotated.float().reshape(*rotated.shape[:-1], pairs, 2))
+        xc = torch.view_as_complex(rotated.to(ct).reshape(*rotated.shape[:-1], pairs, 2))
         out = torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
     elif layout == 'half':  # GPT-NeoX partial rotary: the first 2P channels, pairs (j, j + P)
         rotated, rest = (x, None) if 2 * pairs == hd else (x[..., :2 * pairs], x[..., 2 * pairs:])
-        x1, x2 = rotated[..., :pairs].float(), rotated[..., pairs:].float()
+        x1, x2 = rotated[..., :pairs].to(ct), rotated[..., pairs:].to(ct)
         cos, sin = rot.real, rot.imag
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
     else:
@@ -128,8 +137,9 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     nb, b = rot.shape[-3], rot.shape[-1]
     if nb * b != x.shape[-1]:
         raise ValueError(f'block rotation covers {nb}x{b} channels but head dim is {x.shape[-1]}')
-    xb = x.float().reshape(*x.shape[:-1], nb, b)
-    out = (rot.float() @ xb.unsqueeze(-1)).squeeze(-1)
+    ct = torch.promote_types(x.dtype, torch.float32)  # at least float32; float64 is not downcast
+    xb = x.to(ct).reshape(*x.shape[:-1], nb, b)
+    out = (rot.to(ct) @ xb.unsqueeze(-1)).squeeze(-1)
     return out.flatten(-2).to(x.dtype)
 
 

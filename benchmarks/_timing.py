@@ -1,0 +1,84 @@
+"""Timing helpers shared by the benchmark scripts: interleaved medians and peak memory.
+
+Absolute times on a shared machine mean little, so every script reports ratios against a baseline
+measured in the same process; `compare` interleaves the candidates round by round so that drifts in
+machine load hit all of them alike.
+"""
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import resource
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+
+__all__ = ['time_fn', 'compare', 'peak_memory', 'sync']
+
+
+def sync(device: torch.device) -> None:
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], warmup: int = 2, iters: int = 10, device: torch.device = torch.device('cpu')
+            ) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def compare(fns: Dict[str, Callable[[], object]], rounds: int = 7, per_round: int = 2, warmup: int = 2,
+            device: torch.device = torch.device('cpu')) -> Dict[str, float]:
+    """Median seconds per call of each function, measured in interleaved rounds."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: Dict[str, list] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            sync(device)
+            samples[name].append((time.perf_counter() - t0) / per_round)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device = torch.device('cpu')) -> int:
+    """Peak bytes that ``fn()`` adds on top of what is already allocated.
+
+    GPU: the CUDA allocator's peak. CPU: ``fn`` runs in a forked child process and the growth of
+    its peak resident set (``ru_maxrss``) is returned, which counts every allocation, freed or not.
+    """
+    gc.collect()
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    ctx = mp.get_context('fork')
+    queue = ctx.Queue()
+
+    def child() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        fn()
+        queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result

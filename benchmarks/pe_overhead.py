@@ -1,0 +1,90 @@
+"""Overhead of every registered encoding on a timm-sized ViT, as ratios against ``pe='none'``.
+
+For each encoding: eval-mode forward time (under ``inference_mode``), train step time (forward +
+backward) and peak memory of a train step, each divided by the same figure for ``pe='none'``
+measured in the same process, interleaved round by round.
+
+    python benchmarks/pe_overhead.py                       # ViT-S and ViT-B, batch 8, every encoding
+    python benchmarks/pe_overhead.py --models vit_base --pes rope_axial rope_mixed --rounds 9
+    python benchmarks/pe_overhead.py --device cuda --dtype bfloat16
+
+Targets (issue #2): learned, sincos, rope_axial <= 1.01x; rope_mixed <= 1.02x (eval and train).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Dict, List
+
+import timm
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vispe  # noqa: E402
+from _timing import compare, peak_memory  # noqa: E402
+
+
+
+def _model(name: str, pe: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    return timm.create_model(name, pe=pe, num_classes=1000).to(device=device, dtype=dtype)
+
+
+def bench(name: str, pes: List[str], batch: int, size: int, rounds: int, device: torch.device,
+          dtype: torch.dtype, memory: bool) -> Dict[str, Dict[str, float]]:
+    torch.manual_seed(0)
+    x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+    models = {pe: _model(name, pe, device, dtype) for pe in ['none'] + [p for p in pes if p != 'none']}
+
+    def eval_fn(m):
+        m.eval()
+
+        def run():
+            with torch.inference_mode():
+                m(x)
+        return run
+
+    def train_fn(m):
+        m.train()
+
+        def run():
+            m.zero_grad(set_to_none=True)
+            m(x).float().logsumexp(-1).mean().backward()
+        return run
+
+    t_eval = compare({pe: eval_fn(m) for pe, m in models.items()}, rounds=rounds, device=device)
+    t_train = compare({pe: train_fn(m) for pe, m in models.items()}, rounds=rounds, device=device)
+    mem = {pe: peak_memory(train_fn(m), device) for pe, m in models.items()} if memory else {}
+    out = {}
+    for pe in models:
+        out[pe] = dict(eval=t_eval[pe] / t_eval['none'], train=t_train[pe] / t_train['none'],
+                       memory=(mem[pe] / mem['none']) if memory else float('nan'),
+                       eval_ms=1e3 * t_eval[pe], train_ms=1e3 * t_train[pe])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--models', nargs='+', default=['vit_small', 'vit_base'])
+    ap.add_argument('--pes', nargs='+', default=None, help='encodings (default: every registered one)')
+    ap.add_argument('--batch', type=int, default=8)
+    ap.add_argument('--size', type=int, default=224)
+    ap.add_argument('--rounds', type=int, default=7)
+    ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    ap.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
+    ap.add_argument('--no-memory', action='store_true', help='skip the peak-memory measurement')
+    args = ap.parse_args()
+    pes = args.pes or [p for p in vispe.list_pes() if not vispe.pe_info(p)['cls'].requires]
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    print(f'device={device} dtype={args.dtype} batch={args.batch} size={args.size} threads={torch.get_num_threads()}')
+    for name in args.models:
+        res = bench(name, pes, args.batch, args.size, args.rounds, device, dtype, not args.no_memory)
+        base = res['none']
+        print(f'\n{name}: none eval {base["eval_ms"]:.1f} ms, train {base["train_ms"]:.1f} ms')
+        print(f'{"encoding":<24}{"eval x":>9}{"train x":>9}{"memory x":>10}')
+        for pe, r in res.items():
+            print(f'{pe:<24}{r["eval"]:>9.3f}{r["train"]:>9.3f}{r["memory"]:>10.3f}')
+
+
+if __name__ == '__main__':
+    main()
