@@ -1,0 +1,514 @@
+"""Multimodal position ids: M-RoPE, MRoPE-Interleave, MHRoPE, VRoPE, V2PE, VideoRoPE (and plain 1D RoPE).
+
+Every scheme answers the same two questions about a `SegmentTable`:
+
+* how far a segment advances the running position (its *extent*): text advances by its length,
+  a visual block by a scheme-specific amount, so the next segment starts at
+  ``start + extent`` (per sequence, an exclusive cumulative sum over segments);
+* the ids of its tokens. Within a *run* (a whole text segment, one row of a visual frame, or a
+  whole visual block for 1D schemes) every axis is an arithmetic progression
+  ``value = v0 + slope * offset``, so ids for all tokens come from per-run ``(v0, slope)``: two
+  cumulative sums for integer ids, one gather for fractional ids; no Python loop over tokens, rows
+  or images.
+
+Text tokens get the same running index on every axis, so for pure text every scheme equals
+ordinary 1D RoPE. ``rope_delta = next_position - L`` per sequence (``L`` the padded length):
+a decoding step at cache position ``c`` has position ``c + rope_delta`` on every axis
+(Qwen2-VL's convention, `decode_position_ids`).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar, Dict, Literal, Optional, Sequence, Tuple, Type, Union
+
+import torch
+
+from .layout import (
+    QWEN2_VL_TOKEN_IDS, TEXT, Layout, SegmentTable, _mask_from_lengths, normalise_layouts,
+    table_from_layouts, table_from_token_ids,
+)
+
+__all__ = ['Scheme', 'RoPE1D', 'MRoPE', 'MRoPEInterleave', 'MHRoPE', 'VRoPE', 'V2PE', 'VideoRoPE', 'SCHEMES',
+           'get_scheme', 'position_ids', 'decode_position_ids']
+
+Tensor = torch.Tensor
+
+
+class Runs:
+    """Per-run ``v0`` ``(A, R)``, ``slope`` ``(A, R)`` (or ``(A, 1)``), ``start`` and ``length`` ``(R,)``."""
+    __slots__ = ('v0', 'slope', 'start', 'length')
+
+    def __init__(self, v0: Tensor, slope: Tensor, start: Tensor, length: Tensor) -> None:
+        self.v0, self.slope, self.start, self.length = v0, slope, start, length
+
+
+class Scheme:
+    """Base of the position-id schemes: extents per segment, ``(v0, slope)`` per run.
+
+    Subclasses set ``name``, ``axes`` (one character per id axis) and implement `visual_extent`
+    and either `visual_rows` (runs = rows of each frame) or `visual_block` (one run per block).
+    """
+    name: ClassVar[str] = ''
+    axes: ClassVar[str] = 'p'
+    paper: ClassVar[str] = ''
+    row_runs: ClassVar[bool] = True
+
+    @property
+    def float_ids(self) -> bool:
+        """True when ids are fractional (float64), else int64."""
+        return False
+
+    @property
+    def num_axes(self) -> int:
+        return len(self.axes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float64 if self.float_ids else torch.long
+
+    # ------------------------------------------------------------------ per scheme
+    def visual_extent(self, seg: Dict[str, Tensor]) -> Tensor:
+        """How far each visual segment advances the running position."""
+        raise NotImplementedError
+
+    def visual_rows(self, row: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+        """``(v0, slope)`` of each row run: ``(A, R)`` and ``(A, R)`` or ``(A, 1)``."""
+        raise NotImplementedError
+
+    def visual_block(self, seg: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+        """``(v0, slope)`` of each visual block taken as one run (1D schemes)."""
+        raise NotImplementedError
+
+    def draw(self, seg: Dict[str, Tensor], training: bool, generator: Optional[torch.Generator]) -> None:
+        """Add per-call random choices to the visual segments' fields (V2PE's training strides)."""
+
+    # ------------------------------------------------------------------ helpers
+    def _time_index(self, t: Tensor, seconds: Tensor, tokens_per_second: Optional[float]) -> Tensor:
+        """Temporal index of frame ``t``: Qwen2.5-VL ``floor(t * second_per_grid * tokens_per_second)``
+        (multiply first, then floor) for timed videos, else ``t`` (Qwen2-VL)."""
+        if tokens_per_second is None:
+            return t
+        timed = ~torch.isnan(seconds)
+        scaled = torch.floor(t.double() * torch.nan_to_num(seconds) * tokens_per_second).long()
+        return torch.where(timed, scaled, t)
+
+    def build(self, table: SegmentTable, training: bool = False,
+              generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Tensor]:
+        """Ids ``(A, N)`` of the flattened real tokens and the next position ``(B,)`` of each sequence."""
+        dev, dt, A = table.device, self.dtype, self.num_axes
+        S = table.kind.numel()
+        is_vis = table.kind != TEXT
+        T, H, W = table.grid.unbind(1)
+        extent = table.num_tokens.to(dt).clone()
+        vis = torch.nonzero(is_vis).squeeze(1)
+        seg_v = {'T': T[vis], 'H': H[vis], 'W': W[vis], 'n': table.num_tokens[vis],
+                 'seconds': table.seconds[vis], 'token_start': table.token_start[vis]}
+        self.draw(seg_v, training, generator)
+        if vis.numel():
+            extent[vis] = self.visual_extent(seg_v).to(dt)
+        # start of each segment: exclusive cumsum of extents, restarted at every sequence
+        csum = torch.cumsum(extent, 0)
+        excl = csum - extent
+        B = table.batch_size
+        first = torch.full((B,), S, dtype=torch.long, device=dev)
+        if S:
+            first.scatter_reduce_(0, table.batch, torch.arange(S, device=dev), reduce='amin')
+        base = torch.zeros(B, dtype=dt, device=dev)
+        has = first < S
+        base[has] = excl[first[has]]
+        start = excl - base[table.batch] if S else excl
+        nxt = torch.zeros(B, dtype=dt, device=dev)
+        if S:
+            nxt.scatter_reduce_(0, table.batch, csum - base[table.batch], reduce='amax', include_self=False)
+        seg_v['start'] = start[vis]
+
+        runs = [self._text_runs(table, start, ~is_vis)]
+        if vis.numel():
+            runs.append(self._visual_runs(seg_v))
+        v0 = torch.cat([r.v0.to(dt).expand(A, r.start.numel()) for r in runs], 1)
+        slope = torch.cat([r.slope.to(dt).expand(A, r.start.numel()) for r in runs], 1)
+        rstart = torch.cat([r.start for r in runs])
+        rlen = torch.cat([r.length for r in runs])
+        order = torch.argsort(rstart)
+        v0, slope, rstart, rlen = v0[:, order], slope[:, order], rstart[order], rlen[order]
+        keep = rlen > 0
+        if not bool(keep.all()):
+            v0, slope, rstart, rlen = v0[:, keep], slope[:, keep], rstart[keep], rlen[keep]
+        expand = _expand_float if self.float_ids else _expand_int
+        ids = expand(v0, slope, rstart, rlen, table.total_tokens)
+        return ids, nxt
+
+    def _text_runs(self, table: SegmentTable, start: Tensor, text: Tensor) -> Runs:
+        s = start[text]
+        return Runs(s[None], torch.ones(1, 1, dtype=s.dtype, device=s.device), table.token_start[text],
+                    table.num_tokens[text])
+
+    def _visual_runs(self, seg: Dict[str, Tensor]) -> Runs:
+        if not self.row_runs:
+            v0, slope = self.visual_block(seg)
+            return Runs(v0, slope, seg['token_start'], seg['n'])
+        rows = seg['T'] * seg['H']
+        R = int(rows.sum())
+        sid = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), rows, output_size=R)
+        r = torch.arange(R, device=rows.device) - (torch.cumsum(rows, 0) - rows)[sid]
+        Hr, Wr = seg['H'][sid], seg['W'][sid]
+        row = {'t': r // Hr, 'h': r % Hr, 'T': seg['T'][sid], 'H': Hr, 'W': Wr, 'start': seg['start'][sid],
+               'seconds': seg['seconds'][sid]}
+        v0, slope = self.visual_rows(row)
+        return Runs(v0, slope, seg['token_start'][sid] + r * Wr, Wr)
+
+    def __repr__(self) -> str:
+        opts = ', '.join(f'{k}={v!r}' for k, v in vars(self).items() if not k.startswith('_'))
+        return f'{type(self).__name__}({opts})'
+
+
+def _expand_int(v0: Tensor, slope: Tensor, start: Tensor, length: Tensor, N: int) -> Tensor:
+    """Exact int64 ids ``(A, N)`` of consecutive runs by two cumulative sums (no per-token gather).
+
+    The per-token slope is the cumsum of slope changes at run starts; the ids are the cumsum of the
+    slopes, with each run start's increment replaced by the jump from the previous run's last id.
+    """
+    A = v0.shape[0]
+    prev_slope = torch.zeros_like(slope)
+    prev_slope[:, 1:] = slope[:, :-1]
+    prev_end = torch.zeros_like(v0)
+    prev_end[:, 1:] = v0[:, :-1] + slope[:, :-1] * (length[:-1] - 1)
+    inc = torch.zeros(A, N, dtype=v0.dtype, device=v0.device)
+    inc[:, start] = slope - prev_slope
+    inc.cumsum_(1)
+    inc[:, start] = v0 - prev_end
+    return inc.cumsum_(1)
+
+
+def _expand_float(v0: Tensor, slope: Tensor, start: Tensor, length: Tensor, N: int) -> Tensor:
+    """float64 ids ``(A, N)`` as ``v0 + slope * offset`` per token (no accumulated rounding)."""
+    A = v0.shape[0]
+    run = torch.repeat_interleave(torch.arange(start.numel(), device=start.device), length, output_size=N)
+    # (R, 2A) rows gathered along dim 0: the fast gather layout
+    tab = torch.cat([v0 - slope * start.to(v0.dtype), slope]).t().contiguous()
+    g = tab.index_select(0, run)
+    idx = torch.arange(N, device=v0.device, dtype=v0.dtype)
+    return torch.addcmul(g[:, :A], g[:, A:], idx[:, None]).t().contiguous()
+
+
+def _stack(*rows: Tensor) -> Tensor:
+    return torch.stack(rows, 0)
+
+
+class RoPE1D(Scheme):
+    """Plain 1D RoPE (Su et al. 2021): every token, visual or not, advances the position by one.
+
+    The baseline of the multimodal schemes ("vanilla RoPE" in the Multimodal-RoPEs study).
+    """
+    name = 'rope'
+    axes = 'p'
+    paper = 'Su et al., RoFormer, arXiv:2104.09864'
+    row_runs = False
+
+    def visual_extent(self, seg):
+        return seg['n']
+
+    def visual_block(self, seg):
+        return seg['start'][None], torch.ones(1, 1, dtype=torch.long, device=seg['n'].device)
+
+
+class MRoPE(Scheme):
+    """M-RoPE (Qwen2-VL, Wang et al. 2024) with Qwen2.5-VL's absolute time.
+
+    A visual block starting at ``s`` gives merged token ``(t, h, w)`` the ids
+    ``(s + tau(t), s + h, s + w)``; the next segment starts at ``max over all three axes + 1``.
+    ``tau(t) = floor(t * second_per_grid_t * tokens_per_second)`` for timed videos (Qwen2.5-VL;
+    multiply first, then floor: truncating ``second_per_grid_t`` to an integer first, as some
+    library versions do, collapses frames), ``tau(t) = t`` for images and untimed videos (Qwen2-VL).
+
+    Args:
+        tokens_per_second: Qwen2.5-VL's temporal ids per second (2); None ignores timing (Qwen2-VL).
+    """
+    name = 'mrope'
+    axes = 'thw'
+    paper = 'Wang et al., Qwen2-VL, arXiv:2409.12191; Bai et al., Qwen2.5-VL, arXiv:2502.13923'
+
+    def __init__(self, *, tokens_per_second: Optional[float] = 2.0) -> None:
+        if tokens_per_second is not None and not tokens_per_second > 0:
+            raise ValueError(f'tokens_per_second must be > 0 or None, got {tokens_per_second!r}')
+        self.tokens_per_second = tokens_per_second
+
+    def visual_extent(self, seg):
+        t_last = self._time_index(seg['T'] - 1, seg['seconds'], self.tokens_per_second)
+        return torch.maximum(torch.maximum(t_last, seg['H'] - 1), seg['W'] - 1) + 1
+
+    def visual_rows(self, row):
+        s = row['start']
+        tau = self._time_index(row['t'], row['seconds'], self.tokens_per_second)
+        one = torch.tensor([[0], [0], [1]], device=s.device)
+        return _stack(s + tau, s + row['h'], s), one
+
+
+class MRoPEInterleave(MRoPE):
+    """MRoPE-Interleave (Huang et al. 2025, "Revisiting Multimodal Positional Encoding"; Qwen3-VL).
+
+    Ids as M-RoPE; the rotary pairs cycle ``t, h, w`` (sections ``[24, 20, 20]`` for hd 128, see
+    `MultimodalRotary`). ``spatial_reset``: visual ``h, w`` start at 0 and only ``t`` carries the
+    offset ``s`` (the block still advances the running position as in M-RoPE, i.e. the reference
+    code's vision-end rule). Qwen3-VL itself uses no reset and splits videos into single-frame
+    blocks separated by timestamp text; describe that layout with one ``Video`` per frame.
+
+    Args:
+        spatial_reset: visual h, w ids without the offset (the paper's variant); False = Qwen3-VL.
+        tokens_per_second: temporal ids per second for timed videos (None: frame index).
+    """
+    name = 'mrope_interleave'
+    paper = 'Huang et al., arXiv:2510.23095 (MRoPE-I); Qwen3-VL'
+
+    def __init__(self, *, spatial_reset: bool = False, tokens_per_second: Optional[float] = 2.0) -> None:
+        super().__init__(tokens_per_second=tokens_per_second)
+        self.spatial_reset = bool(spatial_reset)
+
+    def visual_rows(self, row):
+        if not self.spatial_reset:
+            return super().visual_rows(row)
+        s = row['start']
+        tau = self._time_index(row['t'], row['seconds'], self.tokens_per_second)
+        one = torch.tensor([[0], [0], [1]], device=s.device)
+        return _stack(s + tau, row['h'], torch.zeros_like(s)), one
+
+
+class MHRoPE(MRoPEInterleave):
+    """MHRoPE (Huang et al. 2025): the MRoPE-I ids; whole heads (not frequency sections) per axis.
+
+    The head assignment lives in `MultimodalRotary` (``head_sections``).
+    """
+    name = 'mhrope'
+    paper = 'Huang et al., arXiv:2510.23095 (MHRoPE)'
+
+
+class VRoPE(Scheme):
+    """VRoPE (Liu et al., EMNLP 2025): symmetric diagonal indices, frames along the text axis.
+
+    For ``T`` frames of ``H x W`` merged tokens: ``span = H + W - 1``, four indices
+    ``u0 = h + w``, ``u1 = h + (W-1-w)``, ``u2 = (H-1-h) + w``, ``u3 = (H-1-h) + (W-1-w)``; token
+    ``(t, h, w)`` has id ``s + t * span + u_k`` on axis ``k``; rotary pair ``i`` uses axis
+    ``i mod 4``. The next segment starts at ``s + T * span``. Follows the authors' ``vrope.py``.
+    """
+    name = 'vrope'
+    axes = 'abcd'
+    paper = 'Liu et al., VRoPE, arXiv:2502.11664'
+
+    def visual_extent(self, seg):
+        return seg['T'] * (seg['H'] + seg['W'] - 1)
+
+    def visual_rows(self, row):
+        H, W, h = row['H'], row['W'], row['h']
+        base = row['start'] + row['t'] * (H + W - 1)
+        v0 = _stack(base + h, base + h + W - 1, base + H - 1 - h, base + H - 1 - h + W - 1)
+        slope = torch.tensor([[1], [-1], [1], [-1]], device=h.device)
+        return v0, slope
+
+
+class V2PE(Scheme):
+    """V2PE (Ge et al. 2024, InternVL): 1D ids with a fractional step for visual tokens.
+
+    After the token at position ``p`` (integer), the ``n`` visual tokens of a block sit at
+    ``p + k * delta`` (``k = 1..n``), ``delta = stride / tokens_per_tile`` (InternVL: 256 tokens per
+    tile); the next text token is at ``ceil(p + n * delta) + 1``. Training draws ``stride`` per
+    block from ``strides`` ({1, 2, 4, ..., 256}); inference uses the fixed ``stride`` (64 in the
+    V2PE evaluation scripts). ``stride = tokens_per_tile`` reproduces ordinary 1D RoPE. Ids are
+    float64 (exact for the power-of-two steps); rotary must accept float positions.
+
+    Args:
+        stride: inference stride (``delta = stride / tokens_per_tile``).
+        tokens_per_tile: tokens per tile (256); None makes ``delta = stride / n`` per block (the
+            Multimodal-RoPEs port's convention: the whole block spans ``stride`` positions).
+        strides: the training choices.
+        random_in_training: draw the stride per block when ``training=True``.
+    """
+    name = 'v2pe'
+    axes = 'p'
+    paper = 'Ge et al., V2PE, arXiv:2412.09616'
+    row_runs = False
+
+    def __init__(self, *, stride: int = 64, tokens_per_tile: Optional[int] = 256,
+                 strides: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 random_in_training: bool = True) -> None:
+        for v, what in [(stride, 'stride')] + [(s, 'strides entries') for s in strides]:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f'V2PE {what} must be positive integers, got {v!r}')
+        if tokens_per_tile is not None and (not isinstance(tokens_per_tile, int) or tokens_per_tile <= 0):
+            raise ValueError(f'V2PE tokens_per_tile must be a positive integer or None, got {tokens_per_tile!r}')
+        if not strides:
+            raise ValueError('V2PE strides must not be empty')
+        self.stride = stride
+        self.tokens_per_tile = tokens_per_tile
+        self.strides = tuple(strides)
+        self.random_in_training = bool(random_in_training)
+
+    @property
+    def float_ids(self) -> bool:
+        return True
+
+    def draw(self, seg, training, generator):
+        n = seg['n']
+        if training and self.random_in_training:
+            choice = torch.randint(len(self.strides), (n.numel(),), generator=generator)
+            seg['stride'] = torch.tensor(self.strides, dtype=torch.long)[choice].to(n.device)
+        else:
+            seg['stride'] = torch.full_like(n, self.stride)
+
+    def _denominator(self, n: Tensor) -> Tensor:
+        return n if self.tokens_per_tile is None else torch.full_like(n, self.tokens_per_tile)
+
+    def visual_extent(self, seg):
+        num = seg['n'] * seg['stride']
+        den = self._denominator(seg['n'])
+        return (num + den - 1) // den  # ceil(n * delta) in integers: exact
+
+    def visual_block(self, seg):
+        delta = seg['stride'].double() / self._denominator(seg['n']).double()
+        return (seg['start'].double() - 1 + delta)[None], delta[None]
+
+
+class VideoRoPE(Scheme):
+    """VideoRoPE (Wei et al., ICML 2025): diagonal layout, adjustable temporal spacing.
+
+    Token ``(t, h, w)`` of a block at ``s``: ``t' = s + delta * tau(t)``,
+    ``h' = t' + h - (H-1)//2``, ``w' = t' + w - (W-1)//2`` (frame centred on the diagonal); the
+    next segment starts at ``max(t') + 1`` (the temporal axis, as in the authors' code). Rotary:
+    high-frequency pairs interleave ``h, w``, the low-frequency pairs carry ``t`` (see
+    `MultimodalRotary`). Ids are int64 when ``delta`` is integral, else float64.
+
+    Args:
+        delta: temporal spacing (2).
+        tokens_per_second: Qwen2.5-VL timing for timed videos; None (the original, built on Qwen2-VL)
+            uses the frame index.
+    """
+    name = 'videorope'
+    axes = 'thw'
+    paper = 'Wei et al., VideoRoPE, arXiv:2502.05173'
+
+    def __init__(self, *, delta: float = 2.0, tokens_per_second: Optional[float] = None) -> None:
+        if not delta > 0:
+            raise ValueError(f'VideoRoPE delta must be > 0, got {delta!r}')
+        if tokens_per_second is not None and not tokens_per_second > 0:
+            raise ValueError(f'tokens_per_second must be > 0 or None, got {tokens_per_second!r}')
+        self.delta = delta
+        self.tokens_per_second = tokens_per_second
+
+    @property
+    def float_ids(self) -> bool:
+        return not float(self.delta).is_integer()
+
+    def _scaled(self, tau: Tensor) -> Tensor:
+        return tau * self.delta if self.float_ids else tau * int(self.delta)
+
+    def visual_extent(self, seg):
+        tau = self._time_index(seg['T'] - 1, seg['seconds'], self.tokens_per_second)
+        return self._scaled(tau) + 1
+
+    def visual_rows(self, row):
+        tau = self._time_index(row['t'], row['seconds'], self.tokens_per_second)
+        t = row['start'].to(self.dtype) + self._scaled(tau)
+        one = torch.tensor([[0], [0], [1]], device=t.device)
+        return _stack(t, t + row['h'] - (row['H'] - 1) // 2, t - (row['W'] - 1) // 2), one
+
+
+SCHEMES: Dict[str, Type[Scheme]] = {c.name: c for c in (RoPE1D, MRoPE, MRoPEInterleave, MHRoPE, VRoPE, V2PE,
+                                                         VideoRoPE)}
+
+
+def get_scheme(scheme: Union[str, Scheme], **options: Any) -> Scheme:
+    """A scheme instance from its name and options (or the instance itself)."""
+    if isinstance(scheme, Scheme):
+        if options:
+            raise ValueError(f'options {sorted(options)} given with a Scheme instance; set them on the instance')
+        return scheme
+    if scheme not in SCHEMES:
+        raise ValueError(f'scheme must be one of {tuple(SCHEMES)}, got {scheme!r}')
+    try:
+        return SCHEMES[scheme](**options)
+    except TypeError as e:
+        allowed = [p for p in inspect.signature(SCHEMES[scheme].__init__).parameters if p != 'self']
+        raise ValueError(f'scheme {scheme!r} accepts options {allowed}, got {sorted(options)}') from e
+
+
+def position_ids(
+        inputs: Union[Layout, Sequence[Layout], Tensor],
+        *,
+        scheme: Union[str, Scheme] = 'mrope',
+        image_grid_thw: Optional[Tensor] = None,
+        video_grid_thw: Optional[Tensor] = None,
+        second_per_grid_ts: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor] = None,
+        image_token_id: int = QWEN2_VL_TOKEN_IDS['image_token_id'],
+        video_token_id: int = QWEN2_VL_TOKEN_IDS['video_token_id'],
+        vision_start_token_id: int = QWEN2_VL_TOKEN_IDS['vision_start_token_id'],
+        spatial_merge_size: int = 2,
+        padding_side: Literal['right', 'left'] = 'right',
+        training: bool = False,
+        generator: Optional[torch.Generator] = None,
+        pad_value: int = 1,
+        device: Optional[torch.device] = None,
+        **options: Any,
+) -> Tuple[Tensor, Tensor]:
+    """Position ids and ``rope_delta`` of a multimodal sequence or batch.
+
+    Two interfaces:
+
+    * a layout ``[mm.Text(12), mm.Image(grid=(1, 28, 28)), ...]`` -> ids ``(A, N)`` and a 0-dim
+      ``rope_delta``; a list of layouts -> ids ``(A, B, L)`` padded on ``padding_side`` (mask:
+      `padding_mask`) and ``rope_delta`` ``(B, 1)``;
+    * token ids ``(B, L)`` in the Qwen2-VL convention with ``image_grid_thw`` / ``video_grid_thw``
+      (patch grids before the merge), optional ``second_per_grid_ts`` and ``attention_mask``
+      (left or right padding) -> ids ``(A, B, L)`` and ``rope_delta`` ``(B, 1)``, as
+      ``get_rope_index`` returns them.
+
+    ``A`` is the scheme's number of axes (3 for the M-RoPE family and VideoRoPE, 4 for VRoPE, 1 for
+    V2PE and 1D RoPE). Padding positions get ``pad_value`` (1, as Qwen2-VL). ``rope_delta`` is
+    ``next_position - L``: decoding token at cache position ``c`` gets ``c + rope_delta``.
+
+    Args:
+        inputs: a layout, a list of layouts, or ``(B, L)`` token ids.
+        scheme: a name in `SCHEMES` or a `Scheme` instance; ``options`` go to its constructor.
+        training: V2PE draws random strides when True.
+        generator: random generator for V2PE's training strides.
+        device: device of layout-built ids.
+    """
+    sch = get_scheme(scheme, **options)
+    if torch.is_tensor(inputs):
+        if inputs.dtype not in (torch.long, torch.int32, torch.int16):
+            raise ValueError(f'token ids must be an integer tensor, got {inputs.dtype}')
+        table = table_from_token_ids(inputs, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
+                                     image_token_id, video_token_id, vision_start_token_id, spatial_merge_size)
+        flat, nxt = sch.build(table, training, generator)
+        B, L = inputs.shape
+        if attention_mask is None:
+            ids = flat.reshape(sch.num_axes, B, L)
+        else:
+            ids = torch.full((sch.num_axes, B, L), pad_value, dtype=flat.dtype, device=flat.device)
+            ids[:, attention_mask.to(flat.device) != 0] = flat
+        return ids, (nxt - L)[:, None]
+    if padding_side not in ('right', 'left'):
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    layouts, batched = normalise_layouts(inputs)
+    table = table_from_layouts(layouts, device)
+    flat, nxt = sch.build(table, training, generator)
+    if not batched:
+        return flat, nxt[0] - flat.shape[-1]
+    mask = _mask_from_lengths(table.lengths, padding_side).bool()
+    L = mask.shape[1]
+    ids = torch.full((sch.num_axes, len(layouts), L), pad_value, dtype=flat.dtype, device=flat.device)
+    ids[:, mask] = flat
+    return ids, (nxt - L)[:, None]
+
+
+def decode_position_ids(rope_delta: Tensor, cache_position: Union[int, Tensor], length: int = 1,
+                        num_axes: int = 3) -> Tensor:
+    """Ids ``(A, B, length)`` of the next ``length`` tokens at cache position ``cache_position``.
+
+    Every axis gets ``cache_position + i + rope_delta``, as text continues after any segment.
+    ``cache_position`` is the padded length of what is already in the cache (an int or ``(B,)``).
+    """
+    rope_delta = torch.as_tensor(rope_delta)
+    delta = rope_delta.reshape(-1, 1)
+    cache = torch.as_tensor(cache_position, device=delta.device).reshape(-1, 1)
+    pos = cache + torch.arange(length, device=delta.device) + delta
+    return pos.unsqueeze(0).expand(num_axes, -1, -1)
