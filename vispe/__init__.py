@@ -10,6 +10,8 @@ from .encodings import ComposedPE, PEContext, PositionalEncoding
 from .registry import create_pe, list_pes, parse_pe_spec, pe_info, register_pe
 from .attention import PEAttention, pe_attention
 from .vit import VisionTransformer, load_timm_checkpoint
+from .cameras import Cameras, plucker_rays
+from . import multimodal
 
 __version__ = '0.1.0'
 
@@ -18,4 +20,5 @@ __all__ = [
     'PositionalEncoding', 'PEContext', 'ComposedPE',
     'register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'pe_info',
     'PEAttention', 'pe_attention', 'VisionTransformer', 'load_timm_checkpoint',
+    'Cameras', 'plucker_rays', 'multimodal',
 ]
