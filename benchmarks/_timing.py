@@ -39,8 +39,16 @@ def time_fn(fn: Callable[[], object], warmup: int = 2, iters: int = 10, device: 
 
 
 def compare(fns: Dict[str, Callable[[], object]], rounds: int = 7, per_round: int = 2, warmup: int = 2,
-            device: torch.device = torch.device('cpu')) -> Dict[str, float]:
-    """Median seconds per call of each function, measured in interleaved rounds."""
+            device: torch.device = torch.device('cpu'), clock: str = 'wall') -> Dict[str, float]:
+    """Median seconds per call of each function, measured in interleaved rounds.
+
+    ``clock='process'`` counts the CPU time of this process instead of wall time: on a machine
+    shared with other jobs, run single-threaded (``torch.set_num_threads(1)``) with it, since
+    descheduled threads inflate wall time by the number of parallel regions, not by the work.
+    """
+    if clock not in ('wall', 'process'):
+        raise ValueError(f"clock must be 'wall' or 'process', got {clock!r}")
+    now = time.perf_counter if clock == 'wall' else time.process_time
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -48,11 +56,11 @@ def compare(fns: Dict[str, Callable[[], object]], rounds: int = 7, per_round: in
     for _ in range(rounds):
         for name, fn in fns.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0 = now()
             for _ in range(per_round):
                 fn()
             sync(device)
-            samples[name].append((time.perf_counter() - t0) / per_round)
+            samples[name].append((now() - t0) / per_round)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -73,6 +81,8 @@ def peak_memory(fn: Callable[[], object], device: torch.device = torch.device('c
     queue = ctx.Queue()
 
     def child() -> None:
+        # the OpenMP thread pool does not survive fork(): a parallel region in the child would deadlock
+        torch.set_num_threads(1)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         fn()
         queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)

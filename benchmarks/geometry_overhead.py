@@ -20,11 +20,10 @@ inflates and scatters.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
-import statistics
 import sys
-import time
 from typing import Callable, Dict
 
 import timm
@@ -39,24 +38,8 @@ from vispe.attention import PEAttention  # noqa: E402
 from vispe.cameras import Cameras  # noqa: E402
 
 
-def process_compare(fns: Dict[str, Callable[[], object]], rounds: int, per_round: int = 1, warmup: int = 1
-                    ) -> Dict[str, float]:
-    """`_timing.compare` with CPU time of this process instead of wall time (interleaved rounds, medians)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: Dict[str, list] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.process_time()
-            for _ in range(per_round):
-                fn()
-            samples[name].append((time.process_time() - t0) / per_round)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def _timer(args: argparse.Namespace) -> Callable[..., Dict[str, float]]:
-    return process_compare if args.clock == 'process' else compare
+    return functools.partial(compare, clock=args.clock)
 
 
 def _eval_fn(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:

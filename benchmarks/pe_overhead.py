@@ -31,7 +31,7 @@ def _model(name: str, pe: str, device: torch.device, dtype: torch.dtype) -> torc
 
 
 def bench(name: str, pes: List[str], batch: int, size: int, rounds: int, device: torch.device,
-          dtype: torch.dtype, memory: bool) -> Dict[str, Dict[str, float]]:
+          dtype: torch.dtype, memory: bool, clock: str = 'wall') -> Dict[str, Dict[str, float]]:
     torch.manual_seed(0)
     x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
     models = {pe: _model(name, pe, device, dtype) for pe in ['none'] + [p for p in pes if p != 'none']}
@@ -52,8 +52,8 @@ def bench(name: str, pes: List[str], batch: int, size: int, rounds: int, device:
             m(x).float().logsumexp(-1).mean().backward()
         return run
 
-    t_eval = compare({pe: eval_fn(m) for pe, m in models.items()}, rounds=rounds, device=device)
-    t_train = compare({pe: train_fn(m) for pe, m in models.items()}, rounds=rounds, device=device)
+    t_eval = compare({pe: eval_fn(m) for pe, m in models.items()}, rounds=rounds, device=device, clock=clock)
+    t_train = compare({pe: train_fn(m) for pe, m in models.items()}, rounds=rounds, device=device, clock=clock)
     mem = {pe: peak_memory(train_fn(m), device) for pe, m in models.items()} if memory else {}
     out = {}
     for pe in models:
@@ -73,12 +73,18 @@ def main() -> None:
     ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     ap.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     ap.add_argument('--no-memory', action='store_true', help='skip the peak-memory measurement')
+    ap.add_argument('--threads', type=int, default=None, help='torch CPU threads (1 on a shared machine)')
+    ap.add_argument('--clock', default='wall', choices=['wall', 'process'],
+                    help="'process': CPU time of this process, for a machine shared with other jobs")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     pes = args.pes or [p for p in vispe.list_pes() if not vispe.pe_info(p)['cls'].requires]
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    print(f'device={device} dtype={args.dtype} batch={args.batch} size={args.size} threads={torch.get_num_threads()}')
+    print(f'device={device} dtype={args.dtype} batch={args.batch} size={args.size} '
+          f'threads={torch.get_num_threads()} clock={args.clock}')
     for name in args.models:
-        res = bench(name, pes, args.batch, args.size, args.rounds, device, dtype, not args.no_memory)
+        res = bench(name, pes, args.batch, args.size, args.rounds, device, dtype, not args.no_memory, args.clock)
         base = res['none']
         print(f'\n{name}: none eval {base["eval_ms"]:.1f} ms, train {base["train_ms"]:.1f} ms')
         print(f'{"encoding":<24}{"eval x":>9}{"train x":>9}{"memory x":>10}')

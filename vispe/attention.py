@@ -5,7 +5,8 @@ projections; `PEAttention` is timm's self-attention module with it inside. The d
 fastest kernel each encoding allows:
 
 * no bias and no value-side weights term: plain SDPA (flash / memory-efficient eligible);
-* an additive bias: SDPA with a float ``attn_mask``;
+* an additive bias: SDPA with a float ``attn_mask`` (on CPU, a bias that needs a gradient takes
+  the explicit path, which is faster there than SDPA's math fallback);
 * an encoding that needs the attention weights (``weights_value``): explicit softmax attention.
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ def merge_masks(attn_mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
     if bias is None:
         return attn_mask
     bias = bias.to(dtype)
+    while bias.dim() < 4:  # CPU SDPA is several times slower with a 3D mask than with a 4D one
+        bias = bias.unsqueeze(0)
     return bias if attn_mask is None else bias + attn_mask
 
 
@@ -77,7 +80,10 @@ def pe_attention(
     if is_causal and mask is not None:
         raise ValueError('is_causal cannot be combined with attn_mask or a bias encoding')
 
-    if weights_term or force_explicit:
+    # CPU SDPA falls back to a math kernel slower than the explicit path when the mask needs a gradient
+    explicit = weights_term or force_explicit or (
+        mask is not None and mask.requires_grad and q.device.type == 'cpu')
+    if explicit:
         logits = (q * scale) @ k.transpose(-2, -1)
         if is_causal:
             nq, nk = logits.shape[-2:]

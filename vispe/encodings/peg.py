@@ -1,0 +1,85 @@
+"""Conditional position encoding (CPVT, Chu et al., ICLR 2023, "Conditional Positional Encodings
+for Vision Transformers"): a depthwise convolution between blocks, the PEG.
+
+The zero padding of the convolution is what tells a token where it is (near a border or not), so
+the encoding is conditioned on the input and works at any resolution.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import nn
+
+from ..positions import Positions
+from ..registry import register_pe
+from .base import PEContext, PositionalEncoding
+
+__all__ = ['PEG']
+
+
+@register_pe('peg', family='conditional')
+class PEG(PositionalEncoding):
+    """Position encoding generator (CPVT): ``Y = X + DWConv_kxk(X)`` after the listed blocks.
+
+    Conventions (CPVT's ``PosCNN`` and timm's `twins.PosConv`, the same operator): the grid tokens
+    are reshaped to ``(B, C, h, w)``, convolved depthwise (``groups = C``) with stride 1, zero
+    padding ``(k - 1) / 2`` and a bias, added back and flattened; prefix (class / register) tokens
+    are split off before the convolution and re-attached unchanged. One convolution per listed
+    block, applied to that block's output (the paper's default: one PEG after block 0; its best
+    variant: after blocks 0-5, ``'peg:blocks=0-5'``). A 3D ``(t, h, w)`` grid uses a depthwise 3D
+    convolution. PyTorch's default convolution init; the PEG parameters are excluded from weight
+    decay, as in CPVT's and Twins' ``no_weight_decay`` (``pos_block``). Pair it with ``global_pool='avg'`` for CPVT-GAP.
+
+    Parameter ``convs.<block>.weight`` / ``.bias``: the convolution after block ``<block>``.
+
+    Args:
+        blocks: indices of the blocks after which a PEG is applied.
+        kernel_size: odd kernel size k (3).
+    """
+    larger_input = 'extrapolate'  # the same local operator on any grid
+    paper = 'Chu et al., ICLR 2023 (CPVT), arXiv:2102.10882'
+
+    def __init__(self, ctx: PEContext, *, blocks: Tuple[int, ...] = (0,), kernel_size: int = 3) -> None:
+        super().__init__(ctx)
+        blocks = tuple(int(b) for b in blocks)
+        if not blocks:
+            raise ValueError("option 'blocks' of encoding 'peg' must list at least one block")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"option 'blocks' of encoding 'peg' lists a block twice: {blocks}")
+        bad = [b for b in blocks if not 0 <= b < ctx.depth]
+        if bad:
+            raise ValueError(f"option 'blocks' of encoding 'peg': blocks {bad} are outside 0..{ctx.depth - 1} "
+                             f'(depth={ctx.depth})')
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"option 'kernel_size' of encoding 'peg' must be a positive odd integer, "
+                             f'got {kernel_size}')
+        self.blocks = blocks
+        self.kernel_size = kernel_size
+        self.num_axes = len(ctx.grid_size) if ctx.grid_size is not None else 2
+        if self.num_axes not in (2, 3):
+            raise ValueError(f"encoding 'peg' needs a 2D or 3D token grid, got grid_size={ctx.grid_size}")
+        conv = nn.Conv2d if self.num_axes == 2 else nn.Conv3d
+        self.convs = nn.ModuleDict({
+            str(b): conv(ctx.dim, ctx.dim, kernel_size, stride=1, padding=kernel_size // 2, groups=ctx.dim, bias=True)
+            for b in blocks})
+
+    def no_weight_decay(self) -> set:
+        return {n for n, _ in self.named_parameters()}
+
+    def between_blocks(self, x: torch.Tensor, pos: Positions, index: int) -> torch.Tensor:
+        conv = self.convs[str(index)] if str(index) in self.convs else None
+        if conv is None:
+            return x
+        if pos.grid is None or len(pos.grid) != self.num_axes:
+            raise ValueError(f"encoding 'peg' needs the full {self.num_axes}D token grid, got grid={pos.grid} "
+                             '(token dropping is not supported)')
+        npre = pos.num_prefix
+        prefix, tokens = x[:, :npre], x[:, npre:]
+        b, n, c = tokens.shape
+        feat = tokens.transpose(1, 2).reshape(b, c, *pos.grid)
+        tokens = tokens + conv(feat).flatten(2).transpose(1, 2)
+        return torch.cat([prefix, tokens], dim=1) if npre else tokens
+
+    def extra_repr(self) -> str:
+        return f'blocks={self.blocks}, kernel_size={self.kernel_size}'
