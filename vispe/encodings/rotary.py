@@ -139,7 +139,8 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         raise ValueError(f'block rotation covers {nb}x{b} channels but head dim is {x.shape[-1]}')
     ct = torch.promote_types(x.dtype, torch.float32)  # at least float32; float64 is not downcast
     xb = x.to(ct).reshape(*x.shape[:-1], nb, b)
-    out = (rot.to(ct) @ xb.unsqueeze(-1)).squeeze(-1)
+    # einsum keeps broadcast dims out of the batched product; `rot @ xb` would copy rot once per sample
+    out = torch.einsum('...ij,...j->...i', rot.to(ct), xb)
     return out.flatten(-2).to(x.dtype)
 
 

@@ -1,0 +1,242 @@
+"""LieRE: exponentials of learned generators, the paper's conventions, and where shift invariance holds."""
+import math
+
+import pytest
+import timm
+import torch
+
+import vispe
+from vispe.encodings._lie import expm_skew, fourier_rotation, orthogonal_map
+from vispe.encodings.rotary import apply_block_rotation, apply_pair_rotation
+from conftest import TINY
+
+
+def _pe(axes=2, depth=2, heads=2, head_dim=16, **kw):
+    return vispe.create_pe('liere', dim=heads * head_dim, num_heads=heads, depth=depth, grid_size=(4,) * axes,
+                           num_prefix_tokens=1, **kw).double()
+
+
+def _logits(pe, pos, q, k, layer=1):
+    q2, k2 = pe.qk(q, k, pe.prepare(pos), layer=layer)
+    return q2 @ k2.transpose(-2, -1)
+
+
+def _qk(n, heads=2, head_dim=16, batch=2):
+    return (torch.randn(batch, heads, n, head_dim, dtype=torch.float64),
+            torch.randn(batch, heads, n, head_dim, dtype=torch.float64))
+
+
+@pytest.mark.parametrize('b', [3, 4, 8])
+def test_expm_skew_matches_torch_matrix_exp(b):
+    a = torch.randn(3, 5, b, b, dtype=torch.float64) * 4
+    a = a - a.transpose(-1, -2)
+    torch.testing.assert_close(expm_skew(a), torch.linalg.matrix_exp(a), rtol=0, atol=1e-11)
+    a32 = a.float().requires_grad_()
+    a64 = a.clone().requires_grad_()
+    weight = torch.randn(3, 5, b, b, dtype=torch.float64)
+    (expm_skew(a32) * weight).sum().backward()
+    (torch.linalg.matrix_exp(a64) * weight).sum().backward()
+    torch.testing.assert_close(expm_skew(a.float()).double(), torch.linalg.matrix_exp(a), rtol=0, atol=2e-5)
+    torch.testing.assert_close(a32.grad.double(), a64.grad, rtol=1e-4, atol=2e-4)
+
+
+def test_expm_skew_of_2x2_blocks_is_a_plane_rotation():
+    t = torch.tensor([0.3, -2.0, 7.0], dtype=torch.float64)
+    a = torch.zeros(3, 2, 2, dtype=torch.float64)
+    a[:, 1, 0], a[:, 0, 1] = t, -t
+    expected = torch.stack([torch.stack([t.cos(), -t.sin()], -1), torch.stack([t.sin(), t.cos()], -1)], -2)
+    torch.testing.assert_close(expm_skew(a), expected)
+
+
+@pytest.mark.parametrize('kind', ['pair', 'block', 'fourier'])
+def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
+    """The training path recovers x = R^T (R x) in backward instead of saving x: same gradients."""
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    if kind == 'pair':
+        rot = torch.polar(torch.ones(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))
+        direct = apply_pair_rotation
+    elif kind == 'block':
+        a = torch.randn(3, 5, 2, 4, 4, dtype=torch.float64)
+        rot = torch.linalg.matrix_exp(a - a.transpose(-1, -2))
+        direct = apply_block_rotation
+    else:  # two circulant blocks of 4: 3 real-FFT bins each, unit modulus
+        rot = torch.polar(torch.ones(3, 5, 6, dtype=torch.float64), torch.randn(3, 5, 6, dtype=torch.float64))
+        rot[..., 0::3] = 1  # DC bins of a real rotation stay real
+        rot[..., 2::3] = rot[..., 2::3].real.sign()
+
+        def direct(v, r):
+            return fourier_rotation(v, r, 4)
+    rot.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = orthogonal_map(x, rot, kind, 4)
+    assert sum(saved) <= out.numel() + rot.numel()
+    weight = torch.randn_like(out)
+    got = torch.autograd.grad((out * weight).sum(), (x, rot))
+    expected = torch.autograd.grad((direct(x, rot) * weight).sum(), (x, rot))
+    torch.testing.assert_close(out, direct(x, rot))
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+
+
+@pytest.mark.parametrize('gd', [3, 8])
+def test_liere_rotation_is_matrix_exp_of_summed_generators(gd):
+    """R(p) = matrix_exp(sum_d p_d A_d) per block, A_d = T - T^T from the strict upper triangle."""
+    pe = _pe(gd=gd)
+    coords = torch.rand(5, 2, dtype=torch.float64)
+    rot = torch.stack(list(pe.rotation(vispe.points(coords))))  # per layer in training: (L, H, N, blocks, gd, gd)
+    raw = pe.generators.detach()
+    iu = torch.triu_indices(gd, gd, 1)
+    t = torch.zeros(*raw.shape[:-1], gd, gd, dtype=torch.float64)
+    t[..., iu[0], iu[1]] = raw
+    gens = t - t.transpose(-1, -2)  # (D, L, H, blocks, gd, gd)
+    expected = torch.linalg.matrix_exp(torch.einsum('nd,dlhjab->lhnjab', coords, gens).contiguous())
+    torch.testing.assert_close(rot, expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize('gd', [2, 3, 8])
+@pytest.mark.parametrize('axes', [2, 3])
+def test_liere_rotation_is_orthogonal(gd, axes):
+    pe = _pe(axes, gd=gd)
+    pos = vispe.grid(*(3,) * axes, num_prefix=1)
+    q, _ = _qk(pos.num_tokens)
+    q2, k2 = pe.qk(q, q, pe.prepare(pos), layer=1)
+    torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
+    torch.testing.assert_close((q2 * k2).sum(-1), (q * q).sum(-1))
+
+
+@pytest.mark.parametrize('axes', [2, 3])
+def test_liere_gd2_is_shift_invariant(axes):
+    pe = _pe(axes, gd=2)
+    coords = torch.rand(9, axes, dtype=torch.float64) * 3
+    shift = torch.randn(axes, dtype=torch.float64) * 5
+    q, k = _qk(10)
+    a = _logits(pe, vispe.points(coords, num_prefix=1), q, k)
+    b = _logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
+    # between patches; the class token is not rotated, so its logits see absolute positions
+    torch.testing.assert_close(a[..., 1:, 1:], b[..., 1:, 1:], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize('axes', [2, 3])
+def test_liere_gd8_is_not_shift_invariant(axes):
+    """Dense 8x8 generators do not commute: a common shift of every position changes the logits."""
+    pe = _pe(axes, gd=8)
+    coords = torch.rand(9, axes, dtype=torch.float64)
+    q, k = _qk(10)
+    a = _logits(pe, vispe.points(coords, num_prefix=1), q, k)
+    b = _logits(pe, vispe.points(coords + 0.5, num_prefix=1), q, k)
+    assert (a - b)[..., 1:, 1:].abs().max() > 1e-2
+    assert not pe.shift_invariant and _pe(axes, gd=2).shift_invariant
+
+
+def test_liere_gd2_equals_rope_mixed_with_mapped_frequencies():
+    """gd = 2: block j rotates by sum_d p_d A_d[1, 0] = -sum_d p_d t_dj, a learned 2D RoPE frequency."""
+    liere = _pe(gd=2, positions='index')
+    rope = vispe.create_pe('rope_mixed', dim=32, num_heads=2, depth=2, grid_size=(4, 4)).double()
+    with torch.no_grad():
+        # rope_mixed takes the column (x) first: its axis a is LieRE's axis D - 1 - a
+        rope.freqs.copy_(-liere.generators[..., 0].flip(0))
+    coords = torch.rand(7, 2, dtype=torch.float64) * 4
+    q, k = _qk(8)
+    pos = vispe.points(coords, num_prefix=1)
+    for layer in range(2):
+        ql, kl = liere.qk(q, k, liere.prepare(pos), layer=layer)
+        qr, kr = rope.qk(q, k, rope.prepare(pos), layer=layer)
+        torch.testing.assert_close(ql, qr, rtol=0, atol=1e-12)
+        torch.testing.assert_close(kl, kr, rtol=0, atol=1e-12)
+
+
+def test_liere_positions_are_linspace_to_the_grid_ratio():
+    """Per axis linspace(0, n / n_train, n): [0, 1] at the training size, beyond 1 when larger."""
+    pe = _pe()
+    at_train = pe.coordinates(vispe.grid(4, 4, train_grid=(4, 4)))
+    r = torch.linspace(0, 1, 4, dtype=torch.float64)
+    torch.testing.assert_close(at_train, torch.cartesian_prod(r, r))
+    larger = pe.coordinates(vispe.grid(6, 3, train_grid=(4, 4)))
+    expected = torch.cartesian_prod(torch.linspace(0, 1.5, 6, dtype=torch.float64),
+                                    torch.linspace(0, 0.75, 3, dtype=torch.float64))
+    torch.testing.assert_close(larger, expected)
+
+
+def test_liere_class_token_is_not_rotated():
+    pe = _pe()
+    q, k = _qk(17)
+    q2, k2 = pe.qk(q, k, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
+    torch.testing.assert_close(q2[:, :, 0], q[:, :, 0], rtol=0, atol=0)
+    assert (q2[:, :, 1:] - q[:, :, 1:]).abs().max() > 1e-3
+
+
+def test_liere_channels_beyond_whole_blocks_pass_through():
+    pe = _pe(gd=3)  # head dim 16 = 5 blocks of 3 + 1 channel
+    q, k = _qk(17)
+    q2, _ = pe.qk(q, k, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
+    torch.testing.assert_close(q2[..., 15], q[..., 15], rtol=0, atol=0)
+
+
+def test_liere_layers_and_heads_use_their_own_generators():
+    """The original ViT reuses layer 0's rotations everywhere (a slicing bug); vispe does not."""
+    pe = _pe()
+    assert pe.generators.shape == (2, 2, 2, 2, 28)  # (D, layers, heads, blocks, 8*7/2)
+    pos = vispe.grid(4, 4, num_prefix=1)
+    q, k = _qk(17)
+    state = pe.prepare(pos)
+    q0, _ = pe.qk(q, k, state, layer=0)
+    q1, _ = pe.qk(q, k, state, layer=1)
+    assert (q0 - q1).abs().max() > 1e-3
+    shared = _pe(per_layer=False, per_head=False)
+    assert shared.generators.shape == (2, 1, 1, 2, 28)
+    q0, _ = shared.qk(q, k, shared.prepare(pos), layer=0)
+    q1, _ = shared.qk(q, k, shared.prepare(pos), layer=1)
+    torch.testing.assert_close(q0, q1, rtol=0, atol=0)
+    torch.testing.assert_close(q0[:, 0].norm(dim=-1), q[:, 0].norm(dim=-1))
+
+
+def test_liere_init_is_uniform_in_0_2pi():
+    pe = vispe.create_pe('liere', dim=768, num_heads=12, depth=12, grid_size=(14, 14))
+    g = pe.generators.detach()
+    assert g.shape == (2, 12, 12, 8, 28)
+    assert g.min() >= 0 and g.max() < 2 * math.pi
+    assert abs(g.mean().item() - math.pi) < 0.05
+    assert pe.no_weight_decay() == {'generators'}
+
+
+def test_every_liere_layer_receives_gradient_in_a_tiny_vit():
+    model = timm.create_model('vit_tiny', pe='liere', **TINY)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    grad = model.pe.generators.grad  # (D, L, H, blocks, 28)
+    assert grad is not None
+    for layer in range(TINY['depth']):
+        assert grad[:, layer].abs().sum() > 0, f'layer {layer} generators got no gradient'
+
+
+@pytest.mark.parametrize('spec', ['liere', 'liere:gd=2', 'liere:gd=4,per_layer=false,per_head=false'])
+def test_liere_tiny_vit_forward_backward(spec):
+    model = timm.create_model('vit_tiny', pe=spec, **TINY)
+    out = model(torch.randn(2, 3, 32, 32))
+    out.sum().backward()
+    assert out.shape == (2, TINY['num_classes']) and torch.isfinite(out).all()
+    model.eval()
+    with torch.no_grad():  # a larger input: linspace positions extend beyond 1
+        assert model(torch.randn(1, 3, 48, 40)).shape == (1, TINY['num_classes'])
+
+
+def test_liere_video_and_point_positions():
+    model = timm.create_model('vit_tiny', pe='liere', video=True, num_frames=4, tubelet=2, **TINY)
+    assert model.pe.num_axes == 3
+    assert model(torch.randn(1, 3, 4, 32, 32)).shape == (1, TINY['num_classes'])
+    pe = _pe(axes=3)
+    q, k = _qk(6)
+    q2, _ = pe.qk(q, k, pe.prepare(vispe.points(torch.rand(2, 5, 3, dtype=torch.float64), num_prefix=1)), layer=0)
+    torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
+
+
+@pytest.mark.parametrize('option,value', [('gd', '1'), ('gd', '32'), ('positions', 'pixel')])
+def test_liere_rejects_bad_options(option, value):
+    with pytest.raises(ValueError, match=option):
+        vispe.create_pe(f'liere:{option}={value}', dim=32, num_heads=2, grid_size=(4, 4))
+
+
+def test_liere_rejects_positions_with_other_axes():
+    pe = _pe()
+    with pytest.raises(ValueError, match='num_axes'):
+        pe.prepare(vispe.points(torch.rand(5, 3, dtype=torch.float64)))

@@ -1,0 +1,403 @@
+"""Shared machinery of the learned rotation encodings (LieRE, ComRoPE, STRING).
+
+All of them rotate q and k by ``R(p) = exp(sum_d p_d A_d)`` with skew-symmetric, block-diagonal
+generators ``A_d`` (``b x b`` blocks), or by a structured equivalent (pairs, FFT). What lives here:
+
+* `expm_skew`: the exponential of a batch of small skew-symmetric matrices (scaling and squaring
+  of a degree-12 Taylor polynomial), several times faster than `torch.linalg.matrix_exp` on the
+  ``(L, H, N, blocks)`` batches these encodings need, with a closed form for ``2 x 2`` blocks;
+* `linear_exp`: ``exp(sum_d p_d A_d)`` for every position at once, as a complex pair table when
+  ``b = 2`` (a learned-frequency RoPE) or as ``b x b`` blocks, recomputed in the backward pass
+  instead of storing the polynomial's intermediates;
+* `RotationPE`: the per-forward state (one rotation tensor for all layers and heads, identity rows
+  for prefix tokens, per-sample rotations built lazily when they depend on the batch) and the
+  ``qk`` hook that applies it with the shared kernels of `rotary`.
+
+Rotation state tensors are laid out ``(L', [B,] H', N, ...)``: ``L'`` is 1 (shared) or the depth,
+``H'`` is 1 (shared) or the heads, ``B`` only for per-sample positions, so indexing the layer gives
+a tensor that broadcasts against ``(B, H, N, hd)`` without a per-sample copy.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..positions import Positions
+from .base import PEContext, PositionalEncoding
+from .rotary import apply_block_rotation, apply_pair_rotation, compute_dtype, pad_prefix, rotation_table
+
+__all__ = [
+    'expm_skew', 'skew', 'skew_from_upper', 'axis_sum', 'linear_exp', 'layerwise_exp', 'pad_identity', 'rotate', 'orthogonal_map',
+    'fourier_rotation', 'resolve_num_axes',
+    'token_grid', 'LazyRotations', 'RotationPE',
+]
+
+# Degree of the Taylor polynomials of exp(X): 12 in general; 10 for three-axis position polynomials
+# (which have C(m + D, D) terms).
+_TAYLOR_DEGREE = 12
+_MAX_POLY_AXES = 3
+
+
+def _taylor_theta(degree: int, dtype: torch.dtype) -> float:
+    """Largest ||X||_2 for which the degree-m Taylor polynomial of exp(X) is accurate to the unit
+    roundoff: theta^(m+1) / (m+1)! <= u (the tail bound for normal matrices, whose spectrum sets it)."""
+    unit = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
+    return (unit * math.factorial(degree + 1)) ** (1 / (degree + 1))
+
+
+def _num_squarings(bound: torch.Tensor, degree: int, dtype: torch.dtype) -> int:
+    """``s`` with ``bound / 2^s <= theta_m`` (one host sync; the whole batch shares ``s``)."""
+    return max(0, math.ceil(math.log2(max(bound.item(), 1e-300) / _taylor_theta(degree, dtype))))
+
+
+def skew(p: torch.Tensor) -> torch.Tensor:
+    """``P - P^T`` over the last two dims (ComRoPE's and STRING's parametrisation)."""
+    return p - p.transpose(-1, -2)
+
+
+def skew_from_upper(values: torch.Tensor, size: int) -> torch.Tensor:
+    """``T - T^T`` from the ``size (size - 1) / 2`` strict-upper-triangle entries of ``T`` (LieRE's)."""
+    rows, cols = torch.triu_indices(size, size, 1, device=values.device)
+    flat = values.new_zeros(*values.shape[:-1], size * size)
+    flat = flat.scatter(-1, (rows * size + cols).expand(*values.shape[:-1], -1), values)
+    upper = flat.unflatten(-1, (size, size))
+    return upper - upper.transpose(-1, -2)
+
+
+def expm_skew(a: torch.Tensor) -> torch.Tensor:
+    """``exp(a)`` for a batch ``(..., b, b)`` of real skew-symmetric matrices (float32 or float64).
+
+    Scaling and squaring: ``exp(a) = T(a / 2^s)^(2^s)`` with ``T`` the degree-12 Taylor polynomial
+    (Paterson-Stockmeyer: 5 products, scalings folded into the coefficients) and one ``s`` for the
+    whole batch, from the bound ``rho(a) <= ||a^4||_F^(1/4)`` (the spectral radius sets the error of
+    normal matrices). ``b = 2`` uses the closed form (a plane rotation by ``a[1, 0]``).
+    """
+    b = a.shape[-1]
+    if b == 1:
+        return torch.ones_like(a)
+    if b == 2:
+        angle = a[..., 1, 0]
+        c, s = angle.cos(), angle.sin()
+        return torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2)
+    eye = torch.eye(b, dtype=a.dtype, device=a.device)
+    if a.numel() == 0:
+        return a + eye
+    shape = a.shape
+    a = a.reshape(-1, b, b)
+    a2 = torch.bmm(a, a)
+    a4 = torch.bmm(a2, a2)
+    squarings = _num_squarings(a4.flatten(-2).norm(dim=-1).amax().pow(0.25), _TAYLOR_DEGREE, a.dtype)
+    a3 = torch.bmm(a2, a)
+    # T(X) = sum_k X^k / k! with X^j = a^j / 2^(js) (the scalings folded into the coefficients)
+    x = [2.0 ** (-j * squarings) for j in range(5)]
+
+    def part(i: int) -> torch.Tensor:  # P_i = sum_{j<4} X^j / (4i + j)!
+        c = [x[j] / math.factorial(4 * i + j) for j in range(4)]
+        return (a2 * c[2]).add(a, alpha=c[1]).add(a3, alpha=c[3]).add(eye * c[0])
+
+    # T = P0 + X^4 (P1 + X^4 (P2 + X^4 / 12!))
+    x4 = x[4]
+    y = part(2).add(a4, alpha=x4 / math.factorial(12))
+    y = torch.baddbmm(part(1), a4, y, alpha=x4)
+    y = torch.baddbmm(part(0), a4, y, alpha=x4)
+    for _ in range(squarings):
+        y = torch.bmm(y, y)
+    return y.reshape(shape)
+
+
+def axis_sum(coords: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
+    """``sum_d p_d A_d``: coords ``([B,] N, D)``, gen ``(D, L', H', ...)`` -> ``(L', [B,] H', N, ...)``."""
+    d, layers, heads = gen.shape[:3]
+    tail = gen.shape[3:]
+    out = coords @ gen.reshape(d, -1)  # ([B,] N, L' H' ...)
+    out = out.reshape(*coords.shape[:-1], layers, heads, *tail)
+    n_tail = len(tail)
+    # ([B,] N, L', H', tail) -> (L', [B,] H', N, tail)
+    lead = coords.dim() - 1  # 1 or 2 dims before L'
+    perm = [lead] + list(range(lead - 1)) + [lead + 1, lead - 1] + [lead + 2 + i for i in range(n_tail)]
+    return out.permute(*perm)
+
+
+@lru_cache(maxsize=None)
+def _monomial_plan(num_axes: int, degree: int) -> Tuple[Tuple[Tuple[int, ...], ...], Tuple[torch.Tensor, ...]]:
+    """Monomials of degree <= ``degree`` in D variables, graded; and per degree k >= 1 the 0/1 matrix
+    ``(n_k, D n_{k-1})`` that sends ``(axis d, monomial m of degree k - 1)`` to ``m p_d``."""
+    levels = [[(0,) * num_axes]]
+    for _ in range(degree):
+        levels.append(sorted({m[:d] + (m[d] + 1,) + m[d + 1:] for m in levels[-1] for d in range(num_axes)},
+                             reverse=True))
+    incidence = []
+    for k in range(1, degree + 1):
+        where = {m: i for i, m in enumerate(levels[k])}
+        inc = torch.zeros(len(levels[k]), num_axes * len(levels[k - 1]))
+        for d in range(num_axes):
+            for j, m in enumerate(levels[k - 1]):
+                inc[where[m[:d] + (m[d] + 1,) + m[d + 1:]], d * len(levels[k - 1]) + j] = 1
+        incidence.append(inc)
+    return tuple(m for level in levels for m in level), tuple(incidence)
+
+
+def _word_sums(gen: torch.Tensor, degree: int) -> torch.Tensor:
+    """``S_alpha`` for ``|alpha| <= degree``: the sum of all products of generators with ``alpha_d``
+    factors ``A_d``, so that ``(sum_d p_d A_d)^k = sum_{|alpha| = k} p^alpha S_alpha``. Built degree by
+    degree from ``S_alpha = sum_d A_d S_{alpha - e_d}``: per degree one batched product and one small
+    GEMM with the 0/1 incidence matrix. gen ``(D, ...lead, b, b)`` -> ``(K, ...lead, b, b)``."""
+    num_axes, b = gen.shape[0], gen.shape[-1]
+    _, incidence = _monomial_plan(num_axes, degree)
+    lead = gen.shape[1:-2]
+    level = torch.eye(b, dtype=gen.dtype, device=gen.device).expand(1, *lead, b, b)
+    levels = [level]
+    for k, inc in enumerate(incidence, start=1):
+        prods = gen.unsqueeze(1) if k == 1 else gen.unsqueeze(1) @ level.unsqueeze(0)  # A_d S_m: (D, n_{k-1}, ...)
+        level = (inc.to(gen) @ prods.reshape(inc.shape[1], -1)).reshape(inc.shape[0], *lead, b, b)
+        levels.append(level)
+    return torch.cat(levels)
+
+
+def _linear_exp_blocks(gen: torch.Tensor, coords: torch.Tensor, squarings: int, degree: int) -> torch.Tensor:
+    """``exp(sum_d p_d A_d) = T(p / 2^s)^(2^s)`` with the Taylor polynomial ``T`` written as a polynomial
+    in the coordinates, ``sum_alpha p^alpha S_alpha / (2^(s |alpha|) |alpha|!)``: one GEMM evaluates it
+    at every position (no matrix product per position), then ``s`` squarings."""
+    monomials, _ = _monomial_plan(gen.shape[0], degree)
+    exponents = torch.tensor(monomials, dtype=coords.dtype, device=coords.device)  # (K, D)
+    order = exponents.sum(-1)
+    scale = torch.exp2(-squarings * order) / torch.lgamma(order + 1).exp()
+    coef = (coords.unsqueeze(-2) ** exponents).prod(-1) * scale  # ([B,] N, K)
+    sums = _word_sums(gen, degree)  # (K, L', H', nb, b, b)
+    k, layers, heads, nb, b = sums.shape[:5]
+    flat = sums.reshape(k, layers, heads, -1).permute(1, 2, 0, 3)  # (L', H', K, nb b b)
+    if coords.dim() == 3:  # (B, 1, N, K) x (L', 1, H', K, F) -> (L', B, H', N, F)
+        y = torch.matmul(coef.unsqueeze(1), flat.unsqueeze(1))
+    else:  # (N, K) x (L', H', K, F) -> (L', H', N, F)
+        y = torch.matmul(coef, flat)
+    shape = y.shape[:-1] + (nb, b, b)
+    y = y.reshape(-1, b, b)
+    for _ in range(squarings):
+        y = torch.bmm(y, y)
+    return y.reshape(shape)
+
+
+def linear_exp(gen: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+    """``R(p) = exp(sum_d p_d A_d)`` for every position: gen ``(D, L', H', nb, b, b)`` skew blocks,
+    coords ``([B,] N, D)``.
+
+    ``b = 2``: a complex table ``(L', [B,] H', N, nb)`` with angles ``sum_d p_d A_d[1, 0]`` (for
+    `apply_pair_rotation`, interleaved pairs = consecutive 2 x 2 blocks). ``b > 2``: real blocks
+    ``(L', [B,] H', N, nb, b, b)`` by scaling and squaring, the Taylor part evaluated for all positions
+    by one GEMM over monomials of the coordinates (up to three axes; more axes exponentiate each
+    position). With gradients on, the result is recomputed in backward rather than keeping the
+    squarings' intermediates.
+    """
+    if gen.shape[-1] == 2:
+        return rotation_table(axis_sum(coords, gen[..., 1, 0]))
+    num_axes = gen.shape[0]
+    if num_axes > _MAX_POLY_AXES:
+        return expm_skew(axis_sum(coords, gen).contiguous())
+    degree = _TAYLOR_DEGREE if num_axes < 3 else 10
+    # ||sum_d p_d A_d||_2 <= sum_d |p_d| ||A_d||_2, and ||A||_2 <= ||A^4||_F^(1/4)
+    with torch.no_grad():
+        g = gen.reshape(num_axes, -1, *gen.shape[-2:])
+        g2 = g @ g
+        rho = (g2 @ g2).flatten(-2).norm(dim=-1).pow(0.25)  # (D, L' H' nb)
+        bound = (coords.reshape(-1, num_axes).abs() @ rho).amax()
+    squarings = _num_squarings(bound, degree, gen.dtype)
+    if torch.is_grad_enabled() and (gen.requires_grad or coords.requires_grad):
+        return checkpoint(_linear_exp_blocks, gen, coords, squarings, degree, use_reentrant=False)
+    return _linear_exp_blocks(gen, coords, squarings, degree)
+
+
+def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) -> Rotations:
+    """`linear_exp` with ``num_prefix`` identity rows prepended, for the state of a `RotationPE`.
+
+    In training with ``b > 2`` each layer is computed (and recomputed in backward) on its own, so the
+    backward pass holds one layer's scaling-and-squaring intermediates at a time, not all of them.
+    """
+    if gen.shape[-1] == 2 or not (torch.is_grad_enabled() and gen.requires_grad):
+        return pad_identity(linear_exp(gen, coords), num_prefix)
+    return [pad_identity(linear_exp(g, coords), num_prefix)[0] for g in gen.split(1, dim=1)]
+
+
+def pad_identity(rot: torch.Tensor, num_prefix: int) -> torch.Tensor:
+    """Prepend identity rotations for ``num_prefix`` prefix tokens (complex tables or ``b x b`` blocks)."""
+    if num_prefix == 0:
+        return rot
+    if rot.is_complex():
+        return pad_prefix(rot, num_prefix, dim=-2)
+    b = rot.shape[-1]
+    eye = torch.eye(b, dtype=rot.dtype, device=rot.device)
+    shape = list(rot.shape)
+    shape[-4] = num_prefix
+    return torch.cat([eye.expand(shape), rot], dim=-4)
+
+
+def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
+    """``IFFT(table * FFT(z))`` on each length-``block`` channel block ``z`` of ``x`` (real FFT): the
+    rotation by a circulant exponential. ``table`` ``(..., N, blocks * (block // 2 + 1))`` unit complex."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    spectrum = torch.fft.rfft(x.to(ct).unflatten(-1, (-1, block)), dim=-1)
+    spectrum = spectrum * table.unflatten(-1, (spectrum.shape[-2], -1)).to(spectrum.dtype)
+    return torch.fft.irfft(spectrum, n=block, dim=-1).flatten(-2).to(x.dtype)
+
+
+def _pair(x: torch.Tensor, rot: torch.Tensor, block: int) -> torch.Tensor:
+    return apply_pair_rotation(x, rot)
+
+
+def _block(x: torch.Tensor, rot: torch.Tensor, block: int) -> torch.Tensor:
+    return apply_block_rotation(x, rot)
+
+
+_KERNELS = {'pair': _pair, 'block': _block, 'fourier': fourier_rotation}
+
+
+def _inverse(kind: str, rot: torch.Tensor) -> torch.Tensor:
+    return rot.transpose(-1, -2) if kind == 'block' else rot.conj()
+
+
+class _OrthogonalMap(torch.autograd.Function):
+    """``x -> R x`` for orthogonal ``R``, keeping only ``R x`` (which attention keeps anyway) and ``R``
+    for backward: ``x = R^T (R x)`` is recovered there instead of storing a copy of q or k per layer."""
+
+    @staticmethod
+    def forward(ctx, x, rot, kind, block):
+        out = _KERNELS[kind](x, rot, block)
+        ctx.save_for_backward(out, rot)
+        ctx.kind, ctx.block = kind, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, rot = ctx.saved_tensors
+        kernel, inverse = _KERNELS[ctx.kind], _inverse(ctx.kind, rot)
+        grad_x = kernel(grad, inverse, ctx.block) if ctx.needs_input_grad[0] else None
+        grad_rot = None
+        if ctx.needs_input_grad[1]:
+            x = kernel(out, inverse, ctx.block)
+            with torch.enable_grad():
+                r = rot.detach().requires_grad_()
+                grad_rot, = torch.autograd.grad(kernel(x, r, ctx.block), r, grad)
+        return grad_x, grad_rot, None, None
+
+
+def orthogonal_map(x: torch.Tensor, rot: torch.Tensor, kind: str, block: int = 0) -> torch.Tensor:
+    """Rotate ``x`` with a shared kernel (``kind``: ``pair`` / ``block`` / ``fourier``), memory-lean in training."""
+    if torch.is_grad_enabled() and (x.requires_grad or rot.requires_grad):
+        return _OrthogonalMap.apply(x, rot, kind, block)
+    return _KERNELS[kind](x, rot, block)
+
+
+def rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Apply a complex pair table or ``b x b`` blocks to ``x`` ``(B, H, N, hd)``; channels beyond the
+    rotated ones pass through (LieRE when ``gd`` does not divide the head dim)."""
+    if rot.is_complex():
+        return orthogonal_map(x, rot, 'pair')
+    width = rot.shape[-3] * rot.shape[-1]
+    if width == x.shape[-1]:
+        return orthogonal_map(x, rot, 'block')
+    return torch.cat([orthogonal_map(x[..., :width], rot, 'block'), x[..., width:]], dim=-1)
+
+
+def resolve_num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
+    """Coordinate axes D: the option, else the host grid's, else 2."""
+    if num_axes is not None:
+        if num_axes < 1:
+            raise ValueError(f'option num_axes of encoding {name!r} must be >= 1, got {num_axes}')
+        return num_axes
+    return len(ctx.grid_size) if ctx.grid_size else 2
+
+
+def token_grid(pos: Positions) -> Optional[Tuple[int, ...]]:
+    """The grid the (non-prefix) coordinates index: ``pos.grid``; after token selection (patch dropout
+    keeps integer indices but drops the grid) the training grid; None for point sets."""
+    if pos.grid is not None:
+        return pos.grid
+    return pos.train_grid
+
+
+def check_axes(name: str, coords: torch.Tensor, num_axes: int) -> None:
+    if coords.shape[-1] != num_axes:
+        raise ValueError(f'encoding {name!r} was built for {num_axes} coordinate axes (option num_axes), '
+                         f'positions have {coords.shape[-1]}')
+
+
+class LazyRotations:
+    """Rotations whose shape depends on the batch (per-sample jitter): built on the first ``qk`` call
+    of a forward, from the batch size it sees, then shared by every later layer of that forward."""
+
+    def __init__(self, build: Callable[[int], Tuple[Any, Any]]) -> None:
+        self._build = build
+        self._state: Optional[Tuple[Any, Any]] = None
+
+    def get(self, batch: int) -> Tuple[Any, Any]:
+        if self._state is None:
+            self._state = self._build(batch)
+        return self._state
+
+
+RotState = Union[Tuple[torch.Tensor, torch.Tensor], LazyRotations]
+
+
+Rotations = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class RotationPE(PositionalEncoding):
+    """Base of encodings that rotate q and k by a per-position rotation shared by the whole batch.
+
+    Subclasses implement `rotation(pos, batch)` returning the rotations of one token set (prefix rows
+    included), a tensor ``(L', [B,] H', N_total, ...)`` or a sequence of its ``L'`` layer slices;
+    ``batch`` is given only when `per_sample` is true. The state is ``(rot_q, rot_k)``, each a tuple
+    of per-layer tensors (indexing a layer of one tensor would make its backward build a full-size
+    gradient for every layer).
+    """
+    shift_invariant = True
+
+    def per_sample(self, pos: Positions) -> bool:
+        """True when this forward's rotations of ``pos`` differ between samples (training-time jitter)."""
+        return False
+
+    def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
+        raise NotImplementedError
+
+    def compute_dtype(self) -> torch.dtype:
+        """float32 for float32 / half parameters, float64 for float64 ones (exactness tests)."""
+        p = next(self.parameters(), None)
+        return compute_dtype(p) if p is not None else torch.float32
+
+    def _layers(self, pos: Positions, batch: Optional[int]) -> Tuple[torch.Tensor, ...]:
+        rot = self.rotation(pos, batch)
+        return rot.unbind(0) if torch.is_tensor(rot) else tuple(rot)
+
+    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> RotState:
+        if self.per_sample(pos_q) or (pos_k is not None and self.per_sample(pos_k)):
+            def build(batch: int) -> Tuple[Any, Any]:
+                rq = self._layers(pos_q, batch)
+                return rq, (rq if pos_k is None else self._layers(pos_k, batch))
+            return LazyRotations(build)
+        rq = self._layers(pos_q, None)
+        return rq, (rq if pos_k is None else self._layers(pos_k, None))
+
+    @staticmethod
+    def layer_rotations(state: RotState, layer: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        rq, rk = state.get(batch) if isinstance(state, LazyRotations) else state
+        return rq[layer if len(rq) > 1 else 0], rk[layer if len(rk) > 1 else 0]
+
+    def qk(self, q, k, state, layer, x=None):
+        rq, rk = self.layer_rotations(state, layer, q.shape[0])
+        return rotate(q, rq), rotate(k, rk)
+
+
+def heads_and_layers(ctx: PEContext, per_layer: bool, per_head: bool = True) -> Tuple[int, int]:
+    """Leading dims ``(L', H')`` of per-layer / per-head parameters."""
+    return (ctx.depth if per_layer else 1), (ctx.num_heads if per_head else 1)
+
+
+def require_divisible(name: str, head_dim: int, block: int, option: str = 'block') -> int:
+    if block < 1:
+        raise ValueError(f'option {option} of encoding {name!r} must be >= 1, got {block}')
+    if head_dim % block:
+        raise ValueError(f'encoding {name!r} needs head_dim divisible by {option}={block}, got head_dim={head_dim}')
+    return head_dim // block

@@ -1,0 +1,118 @@
+"""LieRE (Ostmeier et al., ICML 2025, "LieRE: Lie Rotational Positional Encodings").
+
+A token at position ``p`` rotates q and k by ``R(p) = exp(sum_d p_d A_d)`` with learned
+skew-symmetric generators ``A_d``, block-diagonal with dense ``gd x gd`` blocks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+
+from ..positions import Positions, grid_coordinates
+from ..registry import register_pe
+from ._lie import (
+    Rotations, RotationPE, check_axes, heads_and_layers, layerwise_exp, resolve_num_axes, skew_from_upper, token_grid,
+)
+from .base import PEContext
+
+__all__ = ['LieRE']
+
+LieREPositions = Literal['linspace', 'index', 'normalized']
+
+
+@register_pe('liere')
+class LieRE(RotationPE):
+    """LieRE (Ostmeier et al., ICML 2025): ``R(p) = matrix_exp(sum_d p_d A_d)``, learned generators.
+
+    Conventions (the original code, ImageNet configuration):
+
+    * per coordinate axis ``d`` a generator ``A_d = T_d - T_d^T`` from the strict upper triangle
+      ``T_d`` of a learned parameter, block-diagonal: the head dim is split into ``hd // gd``
+      consecutive ``gd x gd`` blocks (channels beyond ``gd * (hd // gd)`` are not rotated);
+    * generators per layer and per head by default (``per_layer``, ``per_head``); the original code
+      meant the same but its ViT reuses layer 0's rotations in every layer through a slicing bug,
+      which vispe does not reproduce;
+    * raw parameters (the strict upper triangles, stored packed as ``generators`` with shape
+      ``(D, L', H', hd // gd, gd (gd - 1) / 2)``) initialised uniformly in ``[0, 2 pi)``, as RoPE-Mixed
+      draws its angles; excluded from weight decay;
+    * positions per grid axis ``linspace(0, n / n_train, n)`` (``[0, 1]`` at the training size, so a
+      larger input reaches beyond 1: extrapolation); point sets are used as given;
+    * prefix (class / register) tokens: identity; q and k rotated, v not; the exponential is taken
+      in float32 (float64 for float64 parameters).
+
+    Shift invariance: with ``gd = 2`` the blocks are plane rotations, which commute, so LieRE is a
+    learned-frequency 2D RoPE and exactly shift-invariant. With ``gd > 2`` (the default 8) the
+    generators do not commute and ``R(p)^T R(p') != R(p' - p)``: a common shift of all positions
+    changes the logits. This is the method as published, not a defect to fix.
+
+    Cost: ``R`` depends on positions and parameters only; it is built once per forward for all
+    layers and heads (``L' x H' x N x hd/gd`` small exponentials, never per sample) and cached in
+    eval mode; ``gd = 2`` uses the closed form (cos / sin) and the pair-rotation kernel.
+
+    Args:
+        gd: generator block size (8 in the paper's ImageNet setting; 2 = learned-frequency RoPE).
+        per_layer: separate generators in every attention layer.
+        per_head: separate generators for every head.
+        num_axes: coordinate axes D (default: the host grid's, else 2).
+        positions: ``linspace`` (the paper's), ``index`` (integer patch indices) or ``normalized``
+            (indices rescaled to the training grid).
+        init_scale: raw parameters are drawn from ``U[0, init_scale)`` (2 pi).
+    """
+    larger_input = 'extrapolate'
+    shift_invariant = False
+    paper = 'Ostmeier et al., ICML 2025 (LieRE), arXiv:2406.10322'
+
+    def __init__(
+            self,
+            ctx: PEContext,
+            *,
+            gd: int = 8,
+            per_layer: bool = True,
+            per_head: bool = True,
+            num_axes: Optional[int] = None,
+            positions: LieREPositions = 'linspace',
+            init_scale: float = 2 * math.pi,
+    ) -> None:
+        super().__init__(ctx)
+        if gd < 2 or gd > ctx.head_dim:
+            raise ValueError(f"option gd of encoding 'liere' must be in [2, head_dim={ctx.head_dim}], got {gd}")
+        if positions not in ('linspace', 'index', 'normalized'):
+            raise ValueError(f"option positions of encoding 'liere' must be one of ('linspace', 'index', "
+                             f"'normalized'), got {positions!r}")
+        self.gd = gd
+        self.num_blocks = ctx.head_dim // gd
+        self.num_axes = resolve_num_axes(ctx, num_axes, 'liere')
+        self.positions = positions
+        self.shift_invariant = gd == 2  # per instance: only 2x2 blocks commute
+        layers, heads = heads_and_layers(ctx, per_layer, per_head)
+        self.generators = nn.Parameter(
+            torch.rand(self.num_axes, layers, heads, self.num_blocks, gd * (gd - 1) // 2) * init_scale)
+
+    def no_weight_decay(self) -> set:
+        return {'generators'}
+
+    def axis_generators(self) -> torch.Tensor:
+        """Skew-symmetric blocks ``(D, L', H', hd // gd, gd, gd)`` in the compute dtype."""
+        return skew_from_upper(self.generators.to(self.compute_dtype()), self.gd)
+
+    def coordinates(self, pos: Positions) -> torch.Tensor:
+        """Token coordinates in the configured convention, ``([B,] N, D)``."""
+        grid = token_grid(pos)
+        if self.positions != 'linspace' or grid is None:
+            coords = grid_coordinates(pos, 'normalized' if self.positions == 'normalized' else 'index')
+        else:  # linspace(0, n / n_train, n) per axis: index * (n / n_train) / (n - 1)
+            train = pos.train_grid or grid
+            step = [n / t / (n - 1) if n > 1 else 0.0 for n, t in zip(grid, train)]
+            coords = pos.coords * torch.tensor(step, dtype=pos.coords.dtype, device=pos.device)
+        check_axes('liere', coords, self.num_axes)
+        return coords.to(self.compute_dtype())
+
+    def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
+        return layerwise_exp(self.axis_generators(), self.coordinates(pos), pos.num_prefix)
+
+    def extra_repr(self) -> str:
+        return (f'gd={self.gd}, blocks={self.num_blocks}, axes={self.num_axes}, '
+                f'generators={tuple(self.generators.shape)}')

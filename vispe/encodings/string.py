@@ -1,0 +1,222 @@
+"""STRING (Schenck et al., 2025, "Learning the RoPEs: Better 2D and 3D Position Encodings with
+STRING"): separable, translation-invariant rotations for coordinates of any dimension.
+
+Every smooth translation-invariant ``R`` with ``R(0) = I`` equals ``P^T RoPE(r) P`` for an orthogonal
+``P``; inside ``q^T R(r_i)^T R(r_j) k`` the outer ``P^T`` cancels, so it suffices to rotate by
+``RoPE(r) P``. Two parametrisations: Cayley-STRING (a learned dense ``P``) and Circulant-STRING
+(circulant generators, diagonalised by the FFT).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..positions import GridMode, Positions, grid_coordinates
+from ..registry import register_pe
+from ._lie import (
+    RotationPE, axis_sum, check_axes, heads_and_layers, orthogonal_map, pad_identity, require_divisible,
+    resolve_num_axes, rotate, skew_from_upper,
+)
+from .base import PEContext, PositionalEncoding
+from .rope import RopeMixed
+from .rotary import compute_dtype, rotation_table
+
+__all__ = ['StringCayley', 'StringCirculant']
+
+
+@register_pe('string_cayley')
+class StringCayley(PositionalEncoding):
+    """Cayley-STRING (Schenck et al., 2025): ``R(r) = RoPE(r) P`` with ``P = (I - S)(I + S)^-1``.
+
+    ``S`` is antisymmetric and learned per layer and head (``skew``, the strict upper triangle,
+    ``(L, H, hd (hd - 1) / 2)``), so ``P`` is orthogonal (the Cayley transform). ``P`` is applied to q
+    and k *before* the RoPE rotation: ``P`` after RoPE would cancel in every logit. The RoPE part has
+    learned frequencies, one D-dimensional frequency per layer, head and channel pair (RoPE-Mixed's
+    parametrisation and init, parameter ``rope.freqs``); with ``S = 0`` the encoding is RoPE-Mixed.
+    ``R(r_i)^T R(r_j) = P^T RoPE(r_j - r_i) P``: exactly shift-invariant, for any number of axes.
+
+    Conventions: integer patch indices by default (``grid_mode``), so larger inputs extrapolate;
+    prefix tokens get ``P`` but no RoPE angle (``R = P``, a token at the origin, so folding holds for
+    every token); ``S`` starts at 0 (training starts from RoPE-Mixed; ``skew_init_std`` for a random
+    start); ``S`` and the frequencies are excluded from weight decay.
+
+    Cost: one batched solve per forward gives every layer's and head's ``P`` (``(L, H, hd, hd)``),
+    one angle table serves all layers; per attention q and k are multiplied by ``P`` (a dense
+    ``hd x hd`` product per token) and rotated in pairs. For inference `fold_into` multiplies ``P``
+    into the q/k projection weights, leaving a plain learned-frequency RoPE at run time.
+
+    Args:
+        theta: base of RoPE-Mixed's initial frequency magnitudes (10).
+        num_axes: coordinate axes D (default: the host grid's, else 2).
+        grid_mode: ``index`` (integer patch indices) or ``normalized`` (rescaled to the training grid).
+        skew_init_std: std of the normal init of ``S`` (0: ``P = I``).
+    """
+    shift_invariant = True
+    larger_input = 'extrapolate'
+    paper = 'Schenck et al., ICML 2025 (STRING), arXiv:2502.02562'
+
+    def __init__(
+            self,
+            ctx: PEContext,
+            *,
+            theta: float = 10.0,
+            num_axes: Optional[int] = None,
+            grid_mode: GridMode = 'index',
+            skew_init_std: float = 0.0,
+    ) -> None:
+        super().__init__(ctx)
+        if ctx.head_dim % 4:
+            raise ValueError(f"encoding 'string_cayley' needs head_dim divisible by 4 (RoPE-Mixed's two halves "
+                             f"of pairs), got head_dim={ctx.head_dim}")
+        self.rope = RopeMixed(ctx, theta=theta, num_axes=resolve_num_axes(ctx, num_axes, 'string_cayley'),
+                              grid_mode=grid_mode)
+        hd = ctx.head_dim
+        self.skew = nn.Parameter(torch.randn(ctx.depth, ctx.num_heads, hd * (hd - 1) // 2) * skew_init_std)
+        # set by `fold_into`; a buffer so that a saved folded model does not apply P twice when reloaded
+        self.register_buffer('folded', torch.zeros((), dtype=torch.bool))
+
+    def no_weight_decay(self) -> set:
+        return {'skew', 'rope.freqs'}
+
+    def orthogonal(self) -> torch.Tensor:
+        """``P = (I - S)(I + S)^-1`` for every layer and head, ``(L, H, hd, hd)``: one batched solve.
+
+        ``I - S`` and ``(I + S)^-1`` commute (both are functions of ``S``), so ``P = solve(I + S, I - S)``.
+        """
+        s = skew_from_upper(self.skew.to(compute_dtype(self.skew)), self.ctx.head_dim)
+        eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
+        return torch.linalg.solve(eye + s, eye - s)
+
+    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]):
+        mix = None if bool(self.folded) else self.orthogonal()
+        table_q = self.rope.table(pos_q)
+        return mix, table_q, (table_q if pos_k is None else self.rope.table(pos_k))
+
+    def qk(self, q, k, state, layer, x=None):
+        mix, table_q, table_k = state
+        if mix is None:
+            return rotate(q, table_q[layer]), rotate(k, table_k[layer])
+        p_t = mix[layer].transpose(-1, -2)  # (H, hd, hd): rows of q times P^T = P q
+        ct = mix.dtype
+        q2 = rotate(q.to(ct) @ p_t, table_q[layer]).to(q.dtype)
+        k2 = rotate(k.to(ct) @ p_t, table_k[layer]).to(k.dtype)
+        return q2, k2
+
+    @torch.no_grad()
+    def fold_into(self, model: nn.Module) -> int:
+        """Multiply ``P`` into the q and k rows of every attention's fused ``qkv`` projection (inference).
+
+        The attention layers are found by duck typing: modules with a ``qkv`` `nn.Linear`, a
+        ``layer_index``, ``num_heads`` and ``head_dim`` (vispe's `PEAttention`). Afterwards this
+        encoding applies only the RoPE part, with identical outputs. Returns the number of layers
+        folded. Raises ValueError if q/k are normalised after the projection (a norm does not commute
+        with ``P``) or if the model was folded already.
+        """
+        if bool(self.folded):
+            raise ValueError("encoding 'string_cayley' is already folded into the model's projections")
+        attns = [m for m in model.modules() if isinstance(getattr(m, 'qkv', None), nn.Linear)
+                 and hasattr(m, 'layer_index') and hasattr(m, 'num_heads')]
+        if not attns:
+            raise ValueError("fold_into found no attention layer with a fused 'qkv' projection and a layer_index")
+        mix = self.orthogonal()
+        for attn in attns:
+            for norm in ('q_norm', 'k_norm'):
+                if not isinstance(getattr(attn, norm, nn.Identity()), nn.Identity):
+                    raise ValueError(f'cannot fold P into the projections: the attention applies {norm} after them')
+            heads, hd = attn.num_heads, attn.head_dim
+            if (heads, hd) != (self.ctx.num_heads, self.ctx.head_dim):
+                raise ValueError(f'attention has {heads} heads of {hd} channels, the encoding was built for '
+                                 f'{self.ctx.num_heads} of {self.ctx.head_dim}')
+            p = mix[attn.layer_index]
+            weight, bias = attn.qkv.weight, attn.qkv.bias
+            for part in range(2):  # q rows, then k rows
+                rows = slice(part * heads * hd, (part + 1) * heads * hd)
+                w = weight[rows].view(heads, hd, -1)
+                weight[rows] = (p @ w.to(p.dtype)).to(weight.dtype).reshape(heads * hd, -1)
+                if bias is not None:
+                    b = bias[rows].view(heads, hd, 1)
+                    bias[rows] = (p @ b.to(p.dtype)).to(bias.dtype).reshape(-1)
+        self.folded.fill_(True)
+        self.clear_cache()
+        return len(attns)
+
+    def extra_repr(self) -> str:
+        return f'axes={self.rope.num_axes}, folded={bool(self.folded)}'
+
+
+@register_pe('string_circulant')
+class StringCirculant(RotationPE):
+    """Circulant-STRING (Schenck et al., 2025): ``R(r) = exp(sum_k r_k L_k)``, ``L_k = C_k - C_k^T``.
+
+    ``C_k`` is circulant, ``C[i, j] = c_k[(i - j) mod d]`` (``C z`` is the circular convolution
+    ``c_k * z``), with ``d`` learned scalars per axis ``k``, layer and head (``coeffs``,
+    ``(D, L, H, hd / block, block)``). Circulant matrices are diagonalised by the DFT, so the
+    generators commute (exact shift invariance for any number of axes) and
+    ``R(r) z = IFFT(exp(sum_k r_k mu_k) * FFT(z))`` with ``mu_k = FFT(c_k) - conj(FFT(c_k))`` (purely
+    imaginary): ``O(d log d)`` per token, never a ``d x d`` matrix. ``block`` splits the head dim
+    into independent circulant blocks (the paper sweeps block sizes; the default is one circulant
+    over the whole head dim).
+
+    Conventions: integer patch indices by default (``grid_mode``), so larger inputs extrapolate;
+    prefix tokens are not rotated; ``c ~ N(0, init_std^2)`` with default ``init_std = 1 / sqrt(8 block)``
+    (each rotation rate then has std 1/2 radian per unit of position); excluded from weight decay.
+
+    Cost: one table of unit complex numbers per forward, ``(L, H, N, hd / block, block / 2 + 1)``,
+    for all layers; per attention an ``rfft`` / ``irfft`` pair of q and k.
+
+    Args:
+        block: circulant block size (default: the head dim).
+        num_axes: coordinate axes D (default: the host grid's, else 2).
+        grid_mode: ``index`` (integer patch indices) or ``normalized`` (rescaled to the training grid).
+        init_std: std of the normal init of the circulant coefficients.
+    """
+    shift_invariant = True
+    larger_input = 'extrapolate'
+    paper = 'Schenck et al., ICML 2025 (STRING), arXiv:2502.02562'
+
+    def __init__(
+            self,
+            ctx: PEContext,
+            *,
+            block: Optional[int] = None,
+            num_axes: Optional[int] = None,
+            grid_mode: GridMode = 'index',
+            init_std: Optional[float] = None,
+    ) -> None:
+        super().__init__(ctx)
+        self.block = block or ctx.head_dim
+        self.num_blocks = require_divisible('string_circulant', ctx.head_dim, self.block)
+        self.num_axes = resolve_num_axes(ctx, num_axes, 'string_circulant')
+        self.grid_mode = grid_mode
+        std = init_std if init_std is not None else (8 * self.block) ** -0.5
+        layers, heads = heads_and_layers(ctx, per_layer=True)
+        self.coeffs = nn.Parameter(torch.randn(self.num_axes, layers, heads, self.num_blocks, self.block) * std)
+
+    def no_weight_decay(self) -> set:
+        return {'coeffs'}
+
+    def rates(self) -> torch.Tensor:
+        """Rotation rate of every real-FFT bin, ``Im(mu_k) = 2 Im(FFT(c_k))``: ``(D, L, H, nb, block/2 + 1)``."""
+        return 2 * torch.fft.rfft(self.coeffs.to(self.compute_dtype()), dim=-1).imag
+
+    def generator_matrices(self) -> torch.Tensor:
+        """Dense generators ``L_k = C_k - C_k^T`` ``(D, L, H, nb, block, block)`` (reference / tests only)."""
+        c = self.coeffs.to(self.compute_dtype())
+        i = torch.arange(self.block, device=c.device)
+        circulant = c[..., (i[:, None] - i[None, :]) % self.block]
+        return circulant - circulant.transpose(-1, -2)
+
+    def rotation(self, pos: Positions, batch: Optional[int] = None) -> torch.Tensor:
+        coords = grid_coordinates(pos, self.grid_mode).to(self.compute_dtype())
+        check_axes('string_circulant', coords, self.num_axes)
+        angles = axis_sum(coords, self.rates().flatten(-2))  # (L, [B,] H, N, nb * bins)
+        return pad_identity(rotation_table(angles), pos.num_prefix)
+
+    def qk(self, q, k, state, layer, x=None):
+        tq, tk = self.layer_rotations(state, layer, q.shape[0])
+        return orthogonal_map(q, tq, 'fourier', self.block), orthogonal_map(k, tk, 'fourier', self.block)
+
+    def extra_repr(self) -> str:
+        return f'block={self.block}, blocks={self.num_blocks}, axes={self.num_axes}'
