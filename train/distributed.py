@@ -1,0 +1,109 @@
+"""Process group setup for ``torchrun`` (DDP: nccl on GPUs, gloo on CPU) and rank-aware helpers.
+
+Under ``torchrun`` the environment carries ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; without it
+the script runs as a single process. Each rank drives one device (its local GPU, or the CPU).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+__all__ = ['DistEnv', 'init_distributed', 'shutdown_distributed', 'all_reduce_sum', 'all_gather_objects',
+           'barrier', 'broadcast_object']
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: rank, world size and its device."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device('cpu')
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _pick_device(spec: str, local_rank: int) -> torch.device:
+    if spec == 'auto':
+        spec = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if spec == 'cpu':
+        return torch.device('cpu')
+    if spec.startswith('cuda'):
+        if not torch.cuda.is_available():
+            raise ValueError(f"train.device={spec!r} but CUDA is not available; use 'cpu' or 'auto'")
+        if spec == 'cuda':
+            return torch.device('cuda', local_rank % torch.cuda.device_count())
+        return torch.device(spec)
+    raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
+
+
+def init_distributed(device: str = 'auto') -> DistEnv:
+    """Join the process group if launched by torchrun, and pick this rank's device."""
+    world = int(os.environ.get('WORLD_SIZE', '1'))
+    rank = int(os.environ.get('RANK', '0'))
+    local_rank = int(os.environ.get('LOCAL_RANK', '0'))
+    dev = _pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        backend = 'nccl' if dev.type == 'cuda' else 'gloo'
+        if dev.type == 'cuda':
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+        _logger.info('joined process group: rank %d of %d (%s, %s)', rank, world, backend, dev)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if _active():
+        dist.barrier()
+
+
+def all_reduce_sum(values: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, float]:
+    """Sum scalar tensors over ranks (one collective for all of them)."""
+    keys = sorted(values)
+    if not keys:
+        return {}
+    flat = torch.stack([values[k].detach().to(device=device, dtype=torch.float64).reshape(()) for k in keys])
+    if _active():
+        dist.all_reduce(flat)
+    return {k: float(v) for k, v in zip(keys, flat.tolist())}
+
+
+def all_gather_objects(obj: Any) -> List[Any]:
+    """Every rank's ``obj`` (a list of one element without a process group)."""
+    if not _active():
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,212 @@
+"""Resolution extrapolation: evaluate checkpoints at several input sizes; CSV, Markdown table, PNG plot.
+
+    python -m train.extrapolate runs/*/best.pt --sizes 160 224 288 384 448 512 \\
+        --data configs/data/imagenet_val.yaml [data.root=/data/imagenet] [--out DIR]
+
+Each checkpoint (``best.pt`` or ``checkpoint.pt`` of ``python -m train``) carries the model name and
+keyword arguments (encoding included) and its config, so the model is rebuilt exactly and
+evaluated on the validation data of its config, or of ``--data`` (a YAML file with a ``data:``
+section that replaces the checkpoint's, e.g. the ImageNet validation folder), rendered or
+resized to each size. The model keeps its training grid: encodings extrapolate, interpolate or
+resample as each one documents. Under ``torchrun`` the evaluation is sharded over the ranks.
+
+Outputs (``--out``, default: the deepest folder holding every checkpoint):
+``extrapolation.csv`` (one row per checkpoint and size), ``extrapolation.md`` (a table, one row
+per encoding, one column per size) and ``extrapolation.png`` (metric against size, one line per
+encoding, the training size marked).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+
+from .checkpoint import load_checkpoint
+from .config import ConfigError, apply_overrides, build_config, load_yaml, merge_trees, parse_overrides
+from .data import ShardSampler, make_loader
+from .distributed import DistEnv, all_reduce_sum, init_distributed, shutdown_distributed
+from .engine import autocast_for, pe_label
+from .logs import format_table, progress, setup_logging
+from .tasks import get_task
+
+__all__ = ['evaluate_checkpoints', 'write_reports', 'extrapolation_table', 'main']
+
+_logger = logging.getLogger(__name__)
+
+
+def _labels(ckpts: Sequence[Dict[str, Any]], paths: Sequence[Path]) -> List[str]:
+    """Encoding names; the run folder is appended where two checkpoints share one."""
+    base = [pe_label(c['model_spec']) for c in ckpts]
+    return [b if base.count(b) == 1 else f'{b} ({p.parent.name})' for b, p in zip(base, paths)]
+
+
+def evaluate_checkpoints(
+        paths: Sequence[Path],
+        sizes: Sequence[int],
+        data: Optional[Dict[str, Any]] = None,
+        overrides: Sequence[str] = (),
+        batch_size: Optional[int] = None,
+        workers: Optional[int] = None,
+        env: DistEnv = DistEnv(),
+        progress_mode: str = 'auto',
+) -> List[Dict[str, Any]]:
+    """One row per (checkpoint, size): label, encoding, sizes, the task's metrics.
+
+    Args:
+        paths: checkpoints written by ``python -m train``.
+        sizes: input sizes (pixels; square inputs).
+        data: a raw config tree whose ``data`` (and ``task``) replace the checkpoint's.
+        overrides: ``key=value`` strings applied after ``data`` (``data.root=...``).
+        batch_size: evaluation batch per process (default: the config's eval batch).
+        workers: data loader workers (default: the config's).
+        env: distributed environment (device, rank).
+        progress_mode: tqdm bars ('auto', 'on', 'off').
+    """
+    if not paths:
+        raise ValueError('no checkpoints given')
+    bad = [s for s in sizes if s <= 0]
+    if not sizes or bad:
+        raise ValueError(f'--sizes: give positive input sizes, got {list(sizes)}')
+    ckpts = [load_checkpoint(p) for p in paths]
+    labels = _labels(ckpts, [Path(p) for p in paths])
+    rows: List[Dict[str, Any]] = []
+    for path, ckpt, label in zip(paths, ckpts, labels):
+        raw = dict(ckpt['config'])
+        if data:
+            if 'task' in data and data['task'] != raw.get('task'):
+                raise ConfigError(f"--data: task {data['task']!r} differs from the checkpoint's {raw.get('task')!r}")
+            raw['data'] = merge_trees(raw.get('data') or {}, data.get('data') or {})
+        raw = apply_overrides(raw, parse_overrides(overrides))
+        raw['sweep'] = {}
+        raw.get('train', {}).pop('resume', None)
+        cfg = build_config(raw)
+        task = get_task(cfg.task)(cfg, rank=env.rank)
+        model = task.rebuild_model(ckpt['model_spec'])
+        model.load_state_dict(ckpt['model'])
+        model.to(env.device)
+        autocast, _ = autocast_for(cfg.train.amp, env.device)
+        bs = batch_size or getattr(cfg.data, 'eval_batch_size', None) or 2 * cfg.train.batch_size
+        nw = workers if workers is not None else getattr(cfg.data, 'workers', 0)
+        train_size = getattr(cfg.data, 'img_size', None)
+        for size in sizes:
+            try:
+                dataset = task.eval_dataset(size)
+            except NotImplementedError:
+                raise ValueError(f'task {cfg.task!r} has no input-size sweep') from None
+            loader = make_loader(dataset, ShardSampler(dataset, env.rank, env.world_size), bs, nw, env.device,
+                                 drop_last=False, collate_fn=task.collate_fn)
+            bar = progress(progress_mode, env.is_main, total=len(loader), desc=f'{label} @ {size}')
+            try:
+                metrics = task.evaluate(model, _tick(loader, bar), env.device, autocast,
+                                        lambda sums: all_reduce_sum(sums, env.device))
+            finally:
+                bar.close()
+            rows.append(dict(label=label, pe=pe_label(ckpt['model_spec']), checkpoint=str(path),
+                             train_size=train_size, size=size, metric=task.metric, **metrics))
+            _logger.info('%s @ %d: %s', label, size, ', '.join(f'{k} {v:.4g}' for k, v in metrics.items()))
+        del model
+    return rows
+
+
+def _tick(loader, bar):
+    for batch in loader:
+        yield batch
+        bar.update(1)
+
+
+def extrapolation_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """Markdown: one row per encoding, one column per size (the training size marked with *)."""
+    labels = list(dict.fromkeys(r['label'] for r in rows))
+    sizes = sorted({r['size'] for r in rows})
+    train_sizes = {r['train_size'] for r in rows}
+    metric = rows[0]['metric']
+    header = [f'encoding ({metric})'] + [f'{s}*' if s in train_sizes else str(s) for s in sizes]
+    value = {(r['label'], r['size']): r[r['metric']] for r in rows}
+    body = [[lab] + [value.get((lab, s), '-') for s in sizes] for lab in labels]
+    note = f'\n\n`*` training resolution ({", ".join(str(s) for s in sorted(x for x in train_sizes if x))} px).'
+    return format_table(header, body) + note
+
+
+def write_reports(rows: Sequence[Dict[str, Any]], out_dir: Path) -> Dict[str, Path]:
+    """``extrapolation.csv``, ``extrapolation.md`` and ``extrapolation.png`` in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = dict(csv=out_dir / 'extrapolation.csv', md=out_dir / 'extrapolation.md', png=out_dir / 'extrapolation.png')
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(paths['csv'], 'w', newline='') as f:
+        w = csv.DictWriter(f, columns)
+        w.writeheader()
+        w.writerows(rows)
+    paths['md'].write_text(extrapolation_table(rows) + '\n')
+    _plot(rows, paths['png'])
+    return paths
+
+
+def _plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    metric = rows[0]['metric']
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label in dict.fromkeys(r['label'] for r in rows):
+        pts = sorted((r['size'], r[metric]) for r in rows if r['label'] == label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', label=label)
+    for s in sorted({r['train_size'] for r in rows if r['train_size']}):
+        ax.axvline(s, color='grey', linestyle=':', linewidth=1)
+    ax.set_xlabel('input size (px); dotted: training size')
+    ax.set_ylabel(metric)
+    ax.set_title('resolution extrapolation')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize='small')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _default_out(paths: Sequence[Path]) -> Path:
+    """The deepest folder holding every checkpoint's run folder (the run folder for one checkpoint)."""
+    return Path(os.path.commonpath([str(Path(p).resolve().parent) for p in paths]))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog='python -m train.extrapolate',
+        description='Evaluate checkpoints at several input sizes; write a CSV, a Markdown table and a plot.')
+    parser.add_argument('checkpoints', nargs='+', help='best.pt / checkpoint.pt files of python -m train, '
+                                                       'then optional key=value overrides (data.root=...)')
+    parser.add_argument('--sizes', nargs='+', type=int, required=True, help='input sizes in pixels')
+    parser.add_argument('--data', help="YAML with a data: section replacing the checkpoints' (e.g. "
+                                       'configs/data/imagenet_val.yaml)')
+    parser.add_argument('--out', help='output folder (default: next to the run folders)')
+    parser.add_argument('--batch-size', type=int, help='evaluation batch per process')
+    parser.add_argument('--workers', type=int, help='data loader workers')
+    parser.add_argument('--device', default='auto', help="'auto', 'cpu', 'cuda', 'cuda:N'")
+    parser.add_argument('--progress', default='auto', choices=['auto', 'on', 'off'])
+    args = parser.parse_intermixed_args(argv)
+    overrides = [a for a in args.checkpoints if '=' in a and not Path(a).exists()]
+    paths = [Path(a) for a in args.checkpoints if a not in overrides]
+    env = init_distributed(args.device)
+    setup_logging(env.rank)
+    try:
+        data = load_yaml(args.data) if args.data else None
+        rows = evaluate_checkpoints(paths, args.sizes, data, overrides, args.batch_size, args.workers, env,
+                                    args.progress)
+        if env.is_main:
+            out = write_reports(rows, Path(args.out) if args.out else _default_out(paths))
+            sys.stdout.write(extrapolation_table(rows) + '\n\n')
+            sys.stdout.write(f'wrote {out["csv"]}, {out["md"]}, {out["png"]}\n')
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        _logger.error('%s', e)
+        return 2
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

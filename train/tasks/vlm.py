@@ -1,0 +1,169 @@
+"""Vision-language: a vispe ViT -> connector -> small decoder LM on the embedded colour-grid questions.
+
+The model is `models.vlm.VLM` (``timm.create_model('vit_tiny', pe=model.vision_pe)`` with small
+dims, an MLP projector with 2x2 merge or a resampler whose keys carry ``model.resampler_pe``, and a
+decoder LM whose position ids follow ``model.scheme``: ``rope``, ``mrope``, ``mrope_interleave``,
+``mhrope``, ``vrope``, ``v2pe``, ``videorope``). The data is `models.vlm.ColourGridDataset`: an
+image of ``G x G`` coloured cells and the question "which colour is at row r, column c?"
+(answered with one colour token at the last position), generated on the fly from ``(seed,
+split, index)``. The metric is answer accuracy (%); the resolution sweep redraws the same
+questions at larger images (more visual tokens per cell).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import vispe
+from models.vlm import VLM, ColourGridDataset, ColourGridTask
+from vispe import multimodal as mm
+
+from ..config import Config, ConfigError, option
+from .base import Task, register_task
+
+__all__ = ['VLMTask', 'ModelConfig', 'DataConfig']
+
+PESpecConfig = Union[str, Dict[str, Any], List[Any]]
+Scheme = Literal['rope', 'mrope', 'mrope_interleave', 'mhrope', 'vrope', 'v2pe', 'videorope']
+
+
+@dataclass
+class ModelConfig:
+    """``model:`` section of the VLM task (`models.vlm.VLM` arguments)."""
+    scheme: Scheme = option('mrope', "the LM's multimodal position-id scheme")
+    scheme_options: Dict[str, Any] = option(factory=dict, help="options of the scheme, e.g. {spatial_reset: true} "
+                                                             "(mrope_interleave), {stride: 16} (v2pe)")
+    vision_pe: PESpecConfig = option('rope_axial', "the ViT's vispe encoding spec")
+    connector: Literal['mlp', 'resampler'] = option('mlp', 'MLP projector with spatial merge, or a resampler')
+    merge: int = option(2, 'MLP projector merge factor (2: 2x2 patches per LM token)', min=1)
+    num_queries: int = option(16, 'resampler queries (a square number for rotary resampler_pe)', min=1)
+    resampler_pe: PESpecConfig = option('sincos', 'vispe encoding on the resampler keys')
+    patch_size: int = option(4, 'ViT patch size', min=1)
+    vision_dim: int = option(64, 'ViT width', min=1)
+    vision_depth: int = option(2, 'ViT blocks', min=1)
+    vision_heads: int = option(2, 'ViT heads', min=1)
+    lm_dim: int = option(64, 'LM width', min=1)
+    lm_depth: int = option(2, 'LM decoder blocks', min=1)
+    lm_heads: int = option(4, 'LM query heads', min=1)
+    lm_kv_heads: Optional[int] = option(None, 'LM key/value heads (GQA; null: lm_heads)', min=1)
+    theta: float = option(10000.0, 'LM rotary base', min=1)
+
+
+@dataclass
+class DataConfig:
+    """``data:`` section: the embedded colour-grid questions."""
+    img_size: int = option(32, 'training image size (a multiple of grid and of the patch size)', min=4)
+    grid: int = option(4, 'cells per image side', min=1)
+    num_colours: int = option(4, 'palette size (chance accuracy is 1 / num_colours)', min=2, max=8)
+    max_filler: int = option(2, 'at most this many filler tokens before the image (varies the padding)', min=0)
+    train_size: int = option(20000, 'training questions', min=1)
+    val_size: int = option(1000, 'validation questions', min=1)
+    seed: int = option(0, 'seed of the questions (independent of the training seed)', min=0)
+    workers: int = option(0, 'data loading worker processes per rank', min=0)
+    eval_batch_size: Optional[int] = option(None, 'evaluation batch (null: 2x train.batch_size)', min=1)
+
+
+@register_task('vlm')
+class VLMTask(Task):
+    """Colour-grid question answering with a vispe VLM; ``best.pt`` by answer accuracy."""
+    ModelConfig = ModelConfig
+    DataConfig = DataConfig
+    metric = 'accuracy'
+    metric_mode = 'max'
+
+    def __init__(self, cfg: Config, rank: int = 0) -> None:
+        super().__init__(cfg)
+        self.rank = rank
+        d = cfg.data
+        self.questions = ColourGridTask(grid=d.grid, num_colours=d.num_colours, max_filler=d.max_filler)
+        self._model: Optional[VLM] = None
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        m, d = cfg.model, cfg.data
+        for key in ('vision_pe', 'resampler_pe'):
+            try:
+                for name, _ in vispe.parse_pe_spec(getattr(m, key)):
+                    vispe.pe_info(name)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f'model.{key}: {e}') from None
+        try:
+            mm.get_scheme(m.scheme, **m.scheme_options)
+        except ValueError as e:
+            raise ConfigError(f'model.scheme_options: {e}') from None
+        if d.img_size % d.grid:
+            raise ConfigError(f'data.img_size: {d.img_size} must be a multiple of data.grid={d.grid}')
+        step = m.patch_size * (m.merge if m.connector == 'mlp' else 1)
+        if d.img_size % step:
+            raise ConfigError(f'data.img_size: {d.img_size} must be a multiple of model.patch_size x merge = {step}')
+
+    # ------------------------------------------------------------------ model
+    def _kwargs(self) -> Dict[str, Any]:
+        m = self.cfg.model
+        return dict(img_size=self.cfg.data.img_size, patch_size=m.patch_size, vision_pe=m.vision_pe,
+                    vision_dim=m.vision_dim, vision_depth=m.vision_depth, vision_heads=m.vision_heads,
+                    connector=m.connector, merge=m.merge, num_queries=m.num_queries, resampler_pe=m.resampler_pe,
+                    lm_dim=m.lm_dim, lm_depth=m.lm_depth, lm_heads=m.lm_heads, lm_kv_heads=m.lm_kv_heads,
+                    scheme=m.scheme, scheme_options=dict(m.scheme_options), theta=m.theta)
+
+    def _create(self, kwargs: Dict[str, Any]) -> VLM:
+        try:
+            model = VLM(self.questions.vocab_size, **kwargs)
+        except ValueError as e:
+            raise ConfigError(f'model: {e}') from None
+        self._model = model
+        return model
+
+    def build_model(self) -> nn.Module:
+        return self._create(self._kwargs())
+
+    def model_spec(self, model: nn.Module) -> Dict[str, Any]:
+        m = self.cfg.model
+        # the name doubles as the run label in sweeps and extrapolation tables
+        return dict(name=f'{m.scheme} / vit {vispe.parse_pe_spec(m.vision_pe)[0][0]}', kwargs=self._kwargs())
+
+    def rebuild_model(self, spec: Dict[str, Any]) -> nn.Module:
+        return self._create(dict(spec['kwargs']))
+
+    # ------------------------------------------------------------------ data
+    def _visual_tokens(self, img_size: int) -> int:
+        if self._model is None:
+            self.build_model()
+        gh, gw = self._model.visual_grid((img_size, img_size))
+        return gh * gw
+
+    def _dataset(self, split: Literal['train', 'val'], size: int, img_size: int) -> Dataset:
+        d = self.cfg.data
+        if img_size % d.grid:
+            raise ValueError(f'input size {img_size} must be a multiple of data.grid={d.grid}')
+        return ColourGridDataset(self.questions, size, img_size, self._visual_tokens(img_size), seed=d.seed,
+                                 split=split)
+
+    def train_dataset(self) -> Dataset:
+        return self._dataset('train', self.cfg.data.train_size, self.cfg.data.img_size)
+
+    def eval_dataset(self, size: Optional[int] = None) -> Dataset:
+        return self._dataset('val', self.cfg.data.val_size, size or self.cfg.data.img_size)
+
+    # ------------------------------------------------------------------ steps
+    def _logits(self, model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(batch['images'], batch['input_ids'], batch['attention_mask'])
+
+    def train_step(self, model: nn.Module, batch: Any, step: int) -> Tuple[torch.Tensor, Dict[str, float]]:
+        logits = self._logits(model, batch)
+        return self.questions.loss(logits, batch['labels']), {}
+
+    def eval_step(self, model: nn.Module, batch: Any) -> Dict[str, torch.Tensor]:
+        last = self._logits(model, batch)[:, -1].float()
+        y = batch['labels']
+        return dict(loss=F.cross_entropy(last, y, reduction='sum'), correct=(last.argmax(-1) == y).sum(),
+                    count=torch.tensor(float(y.numel()), device=y.device))
+
+    def summarize(self, sums: Dict[str, float]) -> Dict[str, float]:
+        n = max(sums.get('count', 0.0), 1.0)
+        return dict(accuracy=100.0 * sums.get('correct', 0.0) / n, loss=sums.get('loss', 0.0) / n)
