@@ -15,7 +15,7 @@ from typing import Callable, Dict
 
 import torch
 
-__all__ = ['time_fn', 'compare', 'peak_memory', 'sync']
+__all__ = ['time_fn', 'compare', 'peak_memory', 'sync', 'eval_step', 'train_step']
 
 
 def sync(device: torch.device) -> None:
@@ -92,3 +92,25 @@ def peak_memory(fn: Callable[[], object], device: torch.device = torch.device('c
     result = queue.get()
     proc.join()
     return result
+
+
+def eval_step(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    """A no-grad forward of ``model`` on ``x`` (the model is put in eval mode)."""
+    model.eval()
+
+    def run():
+        with torch.no_grad():
+            return model(x)
+    return run
+
+
+def train_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], object]:
+    """Forward + cross-entropy + backward of ``model`` on ``(x, y)`` (the model is put in train mode)."""
+    model.train()
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return run

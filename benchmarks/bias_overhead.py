@@ -23,10 +23,9 @@ from typing import Callable, Dict, List, Tuple
 
 import timm
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import compare, peak_memory  # noqa: E402
+from _timing import compare, eval_step, peak_memory, train_step  # noqa: E402
 
 import vispe  # noqa: E402  (also registers the models in timm)
 from vispe.attention import PEAttention  # noqa: E402
@@ -53,22 +52,6 @@ def _models(args: argparse.Namespace, specs: List[str]) -> Dict[str, torch.nn.Mo
     return out
 
 
-def _eval_fn(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
-    def run():
-        with torch.no_grad():
-            return model(x)
-    return run
-
-
-def _train_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], object]:
-    def run():
-        model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-    return run
-
-
 def speed(args: argparse.Namespace, cases: List[Tuple[str, str, float]]) -> None:
     x = torch.randn(args.batch, 3, args.img, args.img)
     y = torch.randint(0, 1000, (args.batch,))
@@ -77,8 +60,7 @@ def speed(args: argparse.Namespace, cases: List[Tuple[str, str, float]]) -> None
     for title, is_eval in modes:
         fns = {}
         for spec, m in models.items():
-            m.train(not is_eval)
-            fns[spec] = _eval_fn(m, x) if is_eval else _train_fn(m, x, y)
+            fns[spec] = eval_step(m, x) if is_eval else train_step(m, x, y)
         times = compare(fns, rounds=args.rounds, per_round=1, warmup=1,
                         clock='process' if args.timer == 'cpu' else 'wall')
         base = times['none']

@@ -28,10 +28,9 @@ from typing import Callable, Dict
 
 import timm
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import compare  # noqa: E402
+from _timing import compare, eval_step, train_step  # noqa: E402
 
 import vispe  # noqa: E402
 from vispe.attention import PEAttention  # noqa: E402
@@ -40,22 +39,6 @@ from vispe.cameras import Cameras  # noqa: E402
 
 def _timer(args: argparse.Namespace) -> Callable[..., Dict[str, float]]:
     return functools.partial(compare, clock=args.clock)
-
-
-def _eval_fn(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
-    def run():
-        with torch.no_grad():
-            return model(x)
-    return run
-
-
-def _train_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], object]:
-    def run():
-        model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-    return run
 
 
 def vit(args: argparse.Namespace) -> None:
@@ -68,8 +51,7 @@ def vit(args: argparse.Namespace) -> None:
     for title, is_eval in modes:
         fns = {}
         for spec, m in models.items():
-            m.train(not is_eval)
-            fns[spec] = _eval_fn(m, x) if is_eval else _train_fn(m, x, y)
+            fns[spec] = eval_step(m, x) if is_eval else train_step(m, x, y)
         times = _timer(args)(fns, rounds=args.rounds, per_round=1, warmup=1)
         base = times['none']
         print(f'\n{title}: {args.model}, {args.img}px, batch {args.batch}, {torch.get_num_threads()} threads; '
@@ -92,7 +74,7 @@ def vit(args: argparse.Namespace) -> None:
             m.pe.qk(q, k, state, layer)
             m.pe.value(v, state, layer)
             m.pe.output(v, state, layer)
-    times = _timer(args)({'none': _eval_fn(models['none'].eval(), x), 'gta hooks': hooks},
+    times = _timer(args)({'none': eval_step(models['none'].eval(), x), 'gta hooks': hooks},
                          rounds=args.rounds, per_round=1, warmup=1)
     print(f"  gta hooks alone (q, k, v, output maps of all {len(m.blocks)} layers): "
           f"{times['gta hooks'] / times['none']:.3f}x of the pe='none' eval forward")

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vispe  # noqa: E402
-from _timing import compare, peak_memory  # noqa: E402
+from _timing import compare, eval_step, peak_memory, train_step  # noqa: E402
 
 
 
@@ -34,27 +34,12 @@ def bench(name: str, pes: List[str], batch: int, size: int, rounds: int, device:
           dtype: torch.dtype, memory: bool, clock: str = 'wall') -> Dict[str, Dict[str, float]]:
     torch.manual_seed(0)
     x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+    y = torch.randint(0, 1000, (batch,), device=device)
     models = {pe: _model(name, pe, device, dtype) for pe in ['none'] + [p for p in pes if p != 'none']}
 
-    def eval_fn(m):
-        m.eval()
-
-        def run():
-            with torch.inference_mode():
-                m(x)
-        return run
-
-    def train_fn(m):
-        m.train()
-
-        def run():
-            m.zero_grad(set_to_none=True)
-            m(x).float().logsumexp(-1).mean().backward()
-        return run
-
-    t_eval = compare({pe: eval_fn(m) for pe, m in models.items()}, rounds=rounds, device=device, clock=clock)
-    t_train = compare({pe: train_fn(m) for pe, m in models.items()}, rounds=rounds, device=device, clock=clock)
-    mem = {pe: peak_memory(train_fn(m), device) for pe, m in models.items()} if memory else {}
+    t_eval = compare({pe: eval_step(m, x) for pe, m in models.items()}, rounds=rounds, device=device, clock=clock)
+    t_train = compare({pe: train_step(m, x, y) for pe, m in models.items()}, rounds=rounds, device=device, clock=clock)
+    mem = {pe: peak_memory(train_step(m, x, y), device) for pe, m in models.items()} if memory else {}
     out = {}
     for pe in models:
         out[pe] = dict(eval=t_eval[pe] / t_eval['none'], train=t_train[pe] / t_train['none'],
