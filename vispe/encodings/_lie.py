@@ -1,21 +1,25 @@
 """Shared machinery of the learned rotation encodings (LieRE, ComRoPE, STRING).
 
 All of them rotate q and k by ``R(p) = exp(sum_d p_d A_d)`` with skew-symmetric, block-diagonal
-generators ``A_d`` (``b x b`` blocks), or by a structured equivalent (pairs, FFT). What lives here:
+generators ``A_d`` (``b x b`` blocks), or by a structured equivalent (pair rotations, FFT).
+``R`` depends on positions and parameters only, so it is built once per forward for every layer and
+head and never per sample (except under training-time position jitter, where it stays
+block-diagonal). What lives here:
 
-* `expm_skew`: the exponential of a batch of small skew-symmetric matrices (scaling and squaring
-  of a degree-12 Taylor polynomial), several times faster than `torch.linalg.matrix_exp` on the
-  ``(L, H, N, blocks)`` batches these encodings need, with a closed form for ``2 x 2`` blocks;
-* `linear_exp`: ``exp(sum_d p_d A_d)`` for every position at once, as a complex pair table when
-  ``b = 2`` (a learned-frequency RoPE) or as ``b x b`` blocks, recomputed in the backward pass
-  instead of storing the polynomial's intermediates;
-* `RotationPE`: the per-forward state (one rotation tensor for all layers and heads, identity rows
-  for prefix tokens, per-sample rotations built lazily when they depend on the batch) and the
-  ``qk`` hook that applies it with the shared kernels of `rotary`.
+* `expm_skew`: ``exp`` of a batch of small skew-symmetric matrices (scaling and squaring of a
+  degree-12 Taylor polynomial; closed form for ``2 x 2``), faster than `torch.linalg.matrix_exp`;
+* `linear_exp`: ``exp(sum_d p_d A_d)`` at every position at once: a complex pair table when
+  ``b = 2`` (a learned-frequency RoPE, cos / sin in closed form), else ``b x b`` blocks whose Taylor
+  part is one GEMM over monomials of the coordinates followed by a few squarings; in training it is
+  recomputed in backward (`layerwise_exp`: one layer at a time) instead of storing intermediates;
+* `orthogonal_map` / `rotate`: apply a rotation with the shared kernels of `rotary` (pairs, blocks)
+  or the FFT, keeping only the rotated output for backward (the input is recovered as ``R^T (R x)``);
+* `RotationPE`: the per-forward state (per-layer rotation tensors, identity rows for prefix tokens,
+  per-sample rotations built lazily once the batch size is known) and the ``qk`` hook.
 
-Rotation state tensors are laid out ``(L', [B,] H', N, ...)``: ``L'`` is 1 (shared) or the depth,
-``H'`` is 1 (shared) or the heads, ``B`` only for per-sample positions, so indexing the layer gives
-a tensor that broadcasts against ``(B, H, N, hd)`` without a per-sample copy.
+Rotation tensors are laid out ``(L', [B,] H', N, ...)``: ``L'`` is 1 (shared) or the depth, ``H'``
+is 1 (shared) or the heads, ``B`` only for per-sample positions; a layer's slice broadcasts against
+``(B, H, N, hd)`` without a per-sample copy.
 """
 from __future__ import annotations
 
@@ -31,10 +35,12 @@ from .base import PEContext, PositionalEncoding
 from .rotary import apply_block_rotation, apply_pair_rotation, compute_dtype, pad_prefix, rotation_table
 
 __all__ = [
-    'expm_skew', 'skew', 'skew_from_upper', 'axis_sum', 'linear_exp', 'layerwise_exp', 'pad_identity', 'rotate', 'orthogonal_map',
-    'fourier_rotation', 'resolve_num_axes',
-    'token_grid', 'LazyRotations', 'RotationPE',
+    'expm_skew', 'skew', 'skew_from_upper', 'axis_sum', 'linear_exp', 'layerwise_exp', 'pad_identity',
+    'fourier_rotation', 'orthogonal_map', 'rotate', 'resolve_num_axes', 'token_grid', 'check_axes',
+    'LazyRotations', 'RotationPE', 'Rotations',
 ]
+
+Rotations = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 # Degree of the Taylor polynomials of exp(X): 12 in general; 10 for three-axis position polynomials
 # (which have C(m + D, D) terms).
@@ -152,7 +158,8 @@ def _word_sums(gen: torch.Tensor, degree: int) -> torch.Tensor:
     level = torch.eye(b, dtype=gen.dtype, device=gen.device).expand(1, *lead, b, b)
     levels = [level]
     for k, inc in enumerate(incidence, start=1):
-        prods = gen.unsqueeze(1) if k == 1 else gen.unsqueeze(1) @ level.unsqueeze(0)  # A_d S_m: (D, n_{k-1}, ...)
+        # A_d S_m for every axis d and monomial m of degree k - 1: (D, n_{k-1}, ...)
+        prods = gen.unsqueeze(1) if k == 1 else gen.unsqueeze(1) @ level.unsqueeze(0)
         level = (inc.to(gen) @ prods.reshape(inc.shape[1], -1)).reshape(inc.shape[0], *lead, b, b)
         levels.append(level)
     return torch.cat(levels)
@@ -338,10 +345,7 @@ class LazyRotations:
         return self._state
 
 
-RotState = Union[Tuple[torch.Tensor, torch.Tensor], LazyRotations]
-
-
-Rotations = Union[torch.Tensor, Sequence[torch.Tensor]]
+RotState = Union[Tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]], LazyRotations]
 
 
 class RotationPE(PositionalEncoding):

@@ -8,7 +8,7 @@ Every smooth translation-invariant ``R`` with ``R(0) = I`` equals ``P^T RoPE(r) 
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import nn
