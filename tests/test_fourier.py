@@ -95,3 +95,17 @@ def test_fourier_learnable_in_a_vit_trains_and_runs_at_another_resolution():
     model.eval()
     with torch.no_grad():
         assert model(torch.randn(1, 3, 48, 64)).shape == (1, 3)
+
+
+def test_fourier_phases_stay_float32_under_bf16_autocast():
+    """bf16 phases would be off by ~0.5 rad at coordinate 100; float32 phases keep the features."""
+    torch.manual_seed(0)
+    m = LearnableFourierFeatures(pos_dim=2, dim=64, groups=1)
+    x = torch.rand(16, 1, 2) * 100
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        phases_only = torch.cat([m.Wr(x).float().cos(), m.Wr(x).float().sin()], -1)
+        out = m(x)
+    ref = m(x)
+    exact = torch.cat([(x.float() @ m.Wr.weight.T).cos(), (x.float() @ m.Wr.weight.T).sin()], -1)
+    assert (phases_only - exact).abs().max() > 0.05  # what bf16 phases would do
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -11,6 +11,7 @@ import math
 from typing import Literal, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
@@ -78,8 +79,10 @@ class LearnableFourierFeatures(nn.Module):
         if x.dim() < 2 or x.shape[-2:] != (self.groups, self.pos_dim):
             raise ValueError(f'LearnableFourierFeatures expects coordinates (..., G={self.groups}, '
                              f'M={self.pos_dim}), got shape {tuple(x.shape)}')
-        proj = self.Wr(x.to(self.Wr.weight.dtype))
-        feats = torch.cat([proj.cos(), proj.sin()], dim=-1) / math.sqrt(self.fourier_dim)
+        # phases in float32 even under autocast: bf16 phases lose the high frequencies
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            proj = F.linear(x.float(), self.Wr.weight.float())
+        feats = torch.cat([proj.cos(), proj.sin()], dim=-1).to(self.Wr.weight.dtype) / math.sqrt(self.fourier_dim)
         return self.mlp(feats).flatten(-2)
 
 
