@@ -85,6 +85,8 @@ def test_a_bad_sweep_value_is_rejected_naming_the_key():
         load_config(CONFIGS / 'quickstart.yaml', ['sweep={model.pe: [none, nope]}'])
     with pytest.raises(ConfigError, match="unknown config key 'model.peee'"):
         load_config(CONFIGS / 'quickstart.yaml', ['sweep={model.peee: [none]}'])
+    with pytest.raises(ConfigError, match="sweep.model: expected a non-empty list of values for the dotted key"):
+        load_config(CONFIGS / 'quickstart.yaml', ['sweep.model.pe=[none, learned]'])
 
 
 def test_config_round_trips_through_plain_dicts():

@@ -333,13 +333,9 @@ def validate_section(cls: type, raw: Any, key: str) -> Any:
                 _check_bounds(item, fields[k].metadata, f'{full}[{i}]')
         kwargs[k] = value
     try:
-        obj = cls(**kwargs)
+        return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f'{key or "config"}: {e}') from None
-    check = getattr(obj, 'check', None)
-    if check is not None:
-        check(key)
-    return obj
 
 
 def to_dict(obj: Any) -> Any:
@@ -365,14 +361,15 @@ def build_config(raw: Mapping[str, Any]) -> Config:
         task_cls = get_task(task_name)
     except ValueError as e:
         raise ConfigError(f'task: {e}') from None
+    for key, values in (raw.get('sweep') or {}).items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f'sweep.{key}: expected a non-empty list of values for the dotted key {key!r} '
+                              f"(e.g. sweep='{{model.pe: [none, rope_mixed]}}'), got {values!r}")
     task_raw = {s: raw.pop(s, None) for s in TASK_SECTIONS}
     cfg = validate_section(Config, raw, '')
     for section, cls in zip(TASK_SECTIONS, (task_cls.ModelConfig, task_cls.DataConfig, task_cls.LossConfig)):
         setattr(cfg, section, validate_section(cls, task_raw[section], section))
     task_cls.check_config(cfg)
-    for key in cfg.sweep:
-        if not cfg.sweep[key]:
-            raise ConfigError(f'sweep.{key}: needs at least one value')
     return cfg
 
 

@@ -81,11 +81,15 @@ def barrier() -> None:
 
 
 def all_reduce_sum(values: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, float]:
-    """Sum scalar tensors over ranks (one collective for all of them)."""
+    """Sum scalar tensors over ranks; a key missing on a rank (e.g. one that had no batch) counts as 0."""
     keys = sorted(values)
+    if _active():
+        keys = sorted(set().union(*all_gather_objects(keys)))
     if not keys:
         return {}
-    flat = torch.stack([values[k].detach().to(device=device, dtype=torch.float64).reshape(()) for k in keys])
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    flat = torch.stack([values[k].detach().to(device=device, dtype=torch.float64).reshape(()) if k in values
+                        else zero for k in keys])
     if _active():
         dist.all_reduce(flat)
     return {k: float(v) for k, v in zip(keys, flat.tolist())}

@@ -22,7 +22,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -62,7 +62,6 @@ class RunResult:
     skipped: int
     label: str
     params: int
-    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 def pe_label(spec: Dict[str, Any]) -> str:
@@ -400,6 +399,8 @@ class Trainer:
                      'lr %.3g, amp %s, device %s', cfg.name, self.spec['name'], self.label, self.params / 1e6,
                      self.num_epochs, self.steps_per_epoch, cfg.train.batch_size, self.env.world_size, self.lr,
                      self.amp_dtype or 'off', self.device)
+        if self.epoch >= self.num_epochs:
+            _logger.info('run %s already finished (%d epochs); nothing to train', cfg.name, self.epoch)
         try:
             with logging_redirect_tqdm():
                 while self.epoch < self.num_epochs:
