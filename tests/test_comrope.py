@@ -203,3 +203,27 @@ def test_comrope_rejects_bad_options():
     pe = _pe('comrope_ld')
     with pytest.raises(ValueError, match='num_axes'):
         pe.prepare(vispe.points(torch.rand(4, 3, dtype=torch.float64)))
+
+
+def _compiled_matches_eager(spec, backend):
+    model = timm.create_model('vit_tiny', pe=spec, **TINY)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 3, 32, 32)
+    compiled(x).sum().backward()  # training step: jitter (per-sample rotations), memory-lean backward
+    assert all(p.grad is not None for p in model.pe.parameters())
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_comrope_works_under_torch_compile():
+    """Graph capture and AOT autograd (the backend-independent part of torch.compile)."""
+    torch._dynamo.reset()
+    _compiled_matches_eager('comrope_ap', 'aot_eager')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('spec', ['comrope_ap', 'comrope_ld:block=4'])
+def test_comrope_works_under_torch_compile_with_inductor(spec):
+    torch._dynamo.reset()
+    _compiled_matches_eager(spec, 'inductor')

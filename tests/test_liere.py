@@ -48,35 +48,42 @@ def test_expm_skew_of_2x2_blocks_is_a_plane_rotation():
     torch.testing.assert_close(expm_skew(a), expected)
 
 
-@pytest.mark.parametrize('kind', ['pair', 'block', 'fourier'])
+@pytest.mark.parametrize('kind', ['pair', 'block', 'fourier', 'mixed_pair'])
 def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
     """The training path recovers x = R^T (R x) in backward instead of saving x: same gradients."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    angle = torch.randn(3, 5, 4, dtype=torch.float64)
     if kind == 'pair':
-        rot = torch.polar(torch.ones(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))
-        direct = apply_pair_rotation
+        params = (angle,)
+
+        def direct(v, a):
+            return apply_pair_rotation(v, torch.polar(torch.ones_like(a), a))
     elif kind == 'block':
         a = torch.randn(3, 5, 2, 4, 4, dtype=torch.float64)
-        rot = torch.linalg.matrix_exp(a - a.transpose(-1, -2))
+        params = (torch.linalg.matrix_exp(a - a.transpose(-1, -2)),)
         direct = apply_block_rotation
-    else:  # two circulant blocks of 4: 3 real-FFT bins each, unit modulus
-        rot = torch.polar(torch.ones(3, 5, 6, dtype=torch.float64), torch.randn(3, 5, 6, dtype=torch.float64))
-        rot[..., 0::3] = 1  # DC bins of a real rotation stay real
-        rot[..., 2::3] = rot[..., 2::3].real.sign()
+    elif kind == 'fourier':  # two circulant blocks of 4: 3 real-FFT bins each, DC and Nyquist unrotated
+        params = (torch.randn(3, 5, 6, dtype=torch.float64) * torch.tensor([0.0, 1.0, 0.0]).repeat(2),)
 
-        def direct(v, r):
-            return fourier_rotation(v, r, 4)
-    rot.requires_grad_()
+        def direct(v, a):
+            return fourier_rotation(v, torch.polar(torch.ones_like(a), a), 4)
+    else:  # RoPE(r) P x with a dense orthogonal P per head
+        s = torch.randn(3, 8, 8, dtype=torch.float64)
+        params = (torch.linalg.matrix_exp(s - s.transpose(-1, -2)), angle)
+
+        def direct(v, p, a):
+            return apply_pair_rotation(v @ p.transpose(-1, -2), torch.polar(torch.ones_like(a), a))
+    params = tuple(p.requires_grad_() for p in params)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        out = orthogonal_map(x, rot, kind, 4)
-    assert sum(saved) <= out.numel() + rot.numel()
+        out = orthogonal_map(x, kind, *params, block=4)
+    assert sum(saved) <= out.numel() + sum(p.numel() for p in params)
     weight = torch.randn_like(out)
-    got = torch.autograd.grad((out * weight).sum(), (x, rot))
-    expected = torch.autograd.grad((direct(x, rot) * weight).sum(), (x, rot))
-    torch.testing.assert_close(out, direct(x, rot))
-    torch.testing.assert_close(got[0], expected[0])
-    torch.testing.assert_close(got[1], expected[1])
+    got = torch.autograd.grad((out * weight).sum(), (x, *params))
+    expected = torch.autograd.grad((direct(x, *params) * weight).sum(), (x, *params))
+    torch.testing.assert_close(out, direct(x, *params))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
 
 
 @pytest.mark.parametrize('gd', [3, 8])
@@ -240,3 +247,17 @@ def test_liere_rejects_positions_with_other_axes():
     pe = _pe()
     with pytest.raises(ValueError, match='num_axes'):
         pe.prepare(vispe.points(torch.rand(5, 3, dtype=torch.float64)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('backend', ['aot_eager', 'inductor'])
+def test_liere_works_under_torch_compile(backend):
+    torch._dynamo.reset()
+    model = timm.create_model('vit_tiny', pe='liere', **TINY)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 3, 32, 32)
+    compiled(x).sum().backward()
+    assert model.pe.generators.grad is not None
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)

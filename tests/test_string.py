@@ -97,7 +97,7 @@ def test_cayley_with_zero_skew_is_rope_mixed():
     rope = vispe.create_pe('rope_mixed', dim=32, num_heads=2, depth=2, grid_size=(4, 4)).double()
     with torch.no_grad():
         rope.freqs.copy_(pe.rope.freqs)
-    pos = vispe.grid(4, 4, num_prefix=1)
+    pos = vispe.grid(4, 4, num_prefix=1, dtype=torch.float64)
     q, k = _qk(17)
     torch.testing.assert_close(_logits(pe, pos, q, k), _logits(rope, pos, q, k), rtol=0, atol=1e-12)
 
@@ -209,3 +209,17 @@ def test_string_rejects_bad_options():
     pe = _pe('string_circulant')
     with pytest.raises(ValueError, match='num_axes'):
         pe.prepare(vispe.points(torch.rand(4, 3, dtype=torch.float64)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', VARIANTS)
+def test_string_works_under_torch_compile(name):
+    torch._dynamo.reset()
+    model = timm.create_model('vit_tiny', pe=name, **TINY)
+    compiled = torch.compile(model)
+    x = torch.randn(2, 3, 32, 32)
+    compiled(x).sum().backward()
+    assert all(p.grad is not None for p in model.pe.parameters())
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..positions import Positions
 from .base import PEContext, PositionalEncoding
-from .rotary import apply_block_rotation, apply_pair_rotation, compute_dtype, pad_prefix, rotation_table
+from .rotary import apply_block_rotation, apply_pair_rotation, compute_dtype, rotation_table
 
 __all__ = [
     'expm_skew', 'skew', 'skew_from_upper', 'axis_sum', 'linear_exp', 'layerwise_exp', 'pad_identity',
@@ -192,15 +192,15 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
     """``R(p) = exp(sum_d p_d A_d)`` for every position: gen ``(D, L', H', nb, b, b)`` skew blocks,
     coords ``([B,] N, D)``.
 
-    ``b = 2``: a complex table ``(L', [B,] H', N, nb)`` with angles ``sum_d p_d A_d[1, 0]`` (for
-    `apply_pair_rotation`, interleaved pairs = consecutive 2 x 2 blocks). ``b > 2``: real blocks
+    ``b = 2``: the plane-rotation angles ``(L', [B,] H', N, nb)``, ``sum_d p_d A_d[1, 0]`` (kind
+    ``pair``: interleaved channel pairs are the consecutive 2 x 2 blocks). ``b > 2``: real blocks
     ``(L', [B,] H', N, nb, b, b)`` by scaling and squaring, the Taylor part evaluated for all positions
     by one GEMM over monomials of the coordinates (up to three axes; more axes exponentiate each
     position). With gradients on, the result is recomputed in backward rather than keeping the
     squarings' intermediates.
     """
     if gen.shape[-1] == 2:
-        return rotation_table(axis_sum(coords, gen[..., 1, 0]))
+        return axis_sum(coords, gen[..., 1, 0])
     num_axes = gen.shape[0]
     if num_axes > _MAX_POLY_AXES:
         return expm_skew(axis_sum(coords, gen).contiguous())
@@ -223,22 +223,25 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) 
     In training with ``b > 2`` each layer is computed (and recomputed in backward) on its own, so the
     backward pass holds one layer's scaling-and-squaring intermediates at a time, not all of them.
     """
-    if gen.shape[-1] == 2 or not (torch.is_grad_enabled() and gen.requires_grad):
-        return pad_identity(linear_exp(gen, coords), num_prefix)
-    return [pad_identity(linear_exp(g, coords), num_prefix)[0] for g in gen.split(1, dim=1)]
+    kind = 'pair' if gen.shape[-1] == 2 else 'block'
+    if kind == 'pair' or not (torch.is_grad_enabled() and gen.requires_grad):
+        return pad_identity(linear_exp(gen, coords), num_prefix, kind)
+    return [pad_identity(linear_exp(g, coords), num_prefix, kind)[0] for g in gen.split(1, dim=1)]
 
 
-def pad_identity(rot: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    """Prepend identity rotations for ``num_prefix`` prefix tokens (complex tables or ``b x b`` blocks)."""
+def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:
+    """Prepend identity rotations for ``num_prefix`` prefix tokens: identity ``b x b`` blocks for kind
+    ``block`` (``(..., N, nb, b, b)``), zero angles otherwise (``(..., N, P)``)."""
     if num_prefix == 0:
         return rot
-    if rot.is_complex():
-        return pad_prefix(rot, num_prefix, dim=-2)
-    b = rot.shape[-1]
-    eye = torch.eye(b, dtype=rot.dtype, device=rot.device)
+    if kind == 'block':
+        eye = torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device)
+        shape = list(rot.shape)
+        shape[-4] = num_prefix
+        return torch.cat([eye.expand(shape), rot], dim=-4)
     shape = list(rot.shape)
-    shape[-4] = num_prefix
-    return torch.cat([eye.expand(shape), rot], dim=-4)
+    shape[-2] = num_prefix
+    return torch.cat([rot.new_zeros(shape), rot], dim=-2)
 
 
 def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
@@ -250,62 +253,71 @@ def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.
     return torch.fft.irfft(spectrum, n=block, dim=-1).flatten(-2).to(x.dtype)
 
 
-def _pair(x: torch.Tensor, rot: torch.Tensor, block: int) -> torch.Tensor:
-    return apply_pair_rotation(x, rot)
+# Rotation kinds: (R x, R^T y) from the same parameters. Pair and FFT rotations are stored as real
+# angles (the unit complex table is rebuilt on use, so training keeps half the bytes per rotation).
+def _mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    return x.to(mix.dtype) @ mix.transpose(-1, -2)
 
 
-def _block(x: torch.Tensor, rot: torch.Tensor, block: int) -> torch.Tensor:
-    return apply_block_rotation(x, rot)
-
-
-_KERNELS = {'pair': _pair, 'block': _block, 'fourier': fourier_rotation}
-
-
-def _inverse(kind: str, rot: torch.Tensor) -> torch.Tensor:
-    return rot.transpose(-1, -2) if kind == 'block' else rot.conj()
+_KERNELS: Dict[str, Tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
+    'pair': (lambda x, angle, block: apply_pair_rotation(x, rotation_table(angle)),
+             lambda y, angle, block: apply_pair_rotation(y, rotation_table(-angle))),
+    'block': (lambda x, rot, block: apply_block_rotation(x, rot),
+              lambda y, rot, block: apply_block_rotation(y, rot.transpose(-1, -2))),
+    'fourier': (lambda x, angle, block: fourier_rotation(x, rotation_table(angle), block),
+                lambda y, angle, block: fourier_rotation(y, rotation_table(-angle), block)),
+    # Cayley-STRING: RoPE(r) P x (P orthogonal, dense per head), inverse P^T RoPE(-r) y
+    'mixed_pair': (lambda x, mix, angle, block: apply_pair_rotation(_mix(x, mix), rotation_table(angle)).to(x.dtype),
+                   lambda y, mix, angle, block: (apply_pair_rotation(y, rotation_table(-angle)).to(mix.dtype)
+                                                 @ mix).to(y.dtype)),
+}
 
 
 class _OrthogonalMap(torch.autograd.Function):
-    """``x -> R x`` for orthogonal ``R``, keeping only ``R x`` (which attention keeps anyway) and ``R``
-    for backward: ``x = R^T (R x)`` is recovered there instead of storing a copy of q or k per layer."""
+    """``x -> R x`` for an orthogonal ``R`` given by ``params``, keeping only ``R x`` (which attention
+    keeps anyway) and the parameters for backward: there ``grad_x = R^T grad`` and, for the parameters'
+    gradient, ``x = R^T (R x)`` is recovered instead of storing a copy of q or k per layer."""
 
     @staticmethod
-    def forward(ctx, x, rot, kind, block):
-        out = _KERNELS[kind](x, rot, block)
-        ctx.save_for_backward(out, rot)
+    def forward(ctx, kind, block, x, *params):
+        out = _KERNELS[kind][0](x, *params, block)
+        ctx.save_for_backward(out, *params)
         ctx.kind, ctx.block = kind, block
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out, rot = ctx.saved_tensors
-        kernel, inverse = _KERNELS[ctx.kind], _inverse(ctx.kind, rot)
-        grad_x = kernel(grad, inverse, ctx.block) if ctx.needs_input_grad[0] else None
-        grad_rot = None
-        if ctx.needs_input_grad[1]:
-            x = kernel(out, inverse, ctx.block)
+        out, *params = ctx.saved_tensors
+        forward, inverse = _KERNELS[ctx.kind]
+        grad_x = inverse(grad, *params, ctx.block) if ctx.needs_input_grad[2] else None
+        need = ctx.needs_input_grad[3:]
+        grads = [None] * len(params)
+        if any(need):
+            x = inverse(out, *params, ctx.block)
             with torch.enable_grad():
-                r = rot.detach().requires_grad_()
-                grad_rot, = torch.autograd.grad(kernel(x, r, ctx.block), r, grad)
-        return grad_x, grad_rot, None, None
+                leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need)]
+                found = torch.autograd.grad(forward(x, *leaves, ctx.block), [p for p, n in zip(leaves, need) if n],
+                                            grad)
+            it = iter(found)
+            grads = [next(it) if n else None for n in need]
+        return (None, None, grad_x, *grads)
 
 
-def orthogonal_map(x: torch.Tensor, rot: torch.Tensor, kind: str, block: int = 0) -> torch.Tensor:
-    """Rotate ``x`` with a shared kernel (``kind``: ``pair`` / ``block`` / ``fourier``), memory-lean in training."""
-    if torch.is_grad_enabled() and (x.requires_grad or rot.requires_grad):
-        return _OrthogonalMap.apply(x, rot, kind, block)
-    return _KERNELS[kind](x, rot, block)
+def orthogonal_map(x: torch.Tensor, kind: str, *params: torch.Tensor, block: int = 0) -> torch.Tensor:
+    """Rotate ``x`` by a rotation of ``kind`` (``pair`` angles, ``block`` matrices, ``fourier`` angles,
+    ``mixed_pair`` matrix and angles) with the shared kernels; memory-lean under autograd."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return _OrthogonalMap.apply(kind, block, x, *params)
+    return _KERNELS[kind][0](x, *params, block)
 
 
-def rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """Apply a complex pair table or ``b x b`` blocks to ``x`` ``(B, H, N, hd)``; channels beyond the
-    rotated ones pass through (LieRE when ``gd`` does not divide the head dim)."""
-    if rot.is_complex():
-        return orthogonal_map(x, rot, 'pair')
-    width = rot.shape[-3] * rot.shape[-1]
-    if width == x.shape[-1]:
-        return orthogonal_map(x, rot, 'block')
-    return torch.cat([orthogonal_map(x[..., :width], rot, 'block'), x[..., width:]], dim=-1)
+def rotate(x: torch.Tensor, rot: torch.Tensor, kind: str, block: int = 0) -> torch.Tensor:
+    """Apply one rotation tensor of ``kind`` to ``x`` ``(B, H, N, hd)``; channels beyond whole ``b x b``
+    blocks pass through (LieRE when ``gd`` does not divide the head dim)."""
+    if kind == 'block' and rot.shape[-3] * rot.shape[-1] != x.shape[-1]:
+        width = rot.shape[-3] * rot.shape[-1]
+        return torch.cat([orthogonal_map(x[..., :width], kind, rot), x[..., width:]], dim=-1)
+    return orthogonal_map(x, kind, rot, block=block)
 
 
 def resolve_num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
@@ -358,6 +370,7 @@ class RotationPE(PositionalEncoding):
     gradient for every layer).
     """
     shift_invariant = True
+    rotation_kind: str = 'block'  # how `rotation` tensors are applied (see `orthogonal_map`)
 
     def per_sample(self, pos: Positions) -> bool:
         """True when this forward's rotations of ``pos`` differ between samples (training-time jitter)."""
@@ -391,7 +404,7 @@ class RotationPE(PositionalEncoding):
 
     def qk(self, q, k, state, layer, x=None):
         rq, rk = self.layer_rotations(state, layer, q.shape[0])
-        return rotate(q, rq), rotate(k, rk)
+        return rotate(q, rq, self.rotation_kind), rotate(k, rk, self.rotation_kind)
 
 
 def heads_and_layers(ctx: PEContext, per_layer: bool, per_head: bool = True) -> Tuple[int, int]:

@@ -12,6 +12,7 @@ from typing import List, Literal, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..positions import Positions
 from ..registry import register_pe
@@ -49,6 +50,7 @@ class _ComRoPE(RotationPE):
         if jitter < 0:
             raise ValueError(f'option jitter of encoding {self.name!r} must be >= 0, got {jitter}')
         self.block = block
+        self.rotation_kind = 'pair' if block == 2 else 'block'
         self.num_blocks = require_divisible(self.name, ctx.head_dim, block)
         self.normalize = normalize
         self.jitter = jitter
@@ -130,7 +132,11 @@ class _ComRoPE(RotationPE):
         if self.prefix == 'centre' and pad:
             index = torch.cat([torch.tensor(grid, device=device).expand(pad, -1), index])
             pad = 0
-        return pad_identity(self.grid_rotation(gen, values, index), pad)
+        if torch.is_grad_enabled() and gen.requires_grad:  # recomputed in backward: keeps no intermediates
+            rot = checkpoint(self.grid_rotation, gen, values, index, use_reentrant=False)
+        else:
+            rot = self.grid_rotation(gen, values, index)
+        return pad_identity(rot, pad, 'block')
 
     def extra_repr(self) -> str:
         return f'block={self.block}, blocks={self.num_blocks}, jitter={self.jitter}, prefix={self.prefix}'
@@ -206,7 +212,8 @@ class ComRoPEAP(_ComRoPE):
         blocks = torch.arange(self.num_blocks, device=gen.device)
         axis = blocks % num_axes
         base = gen.sum(0)  # each block has exactly one non-zero axis generator
-        exps = expm_skew(values[:, axis][None, None, :, :, None, None] * base[:, :, None])  # (L', H, V, nb, b, b)
+        # (L', H, V, nb, b, b)
+        exps = expm_skew(values[:, axis][None, None, :, :, None, None] * base[:, :, None])
         return exps[:, :, index[:, axis], blocks]
 
 
@@ -264,7 +271,8 @@ class ComRoPELD(_ComRoPE):
     def grid_rotation(self, gen, values, index):
         blocks = torch.arange(self.num_blocks, device=gen.device)
         # exp(sum_i p_i A_i) = prod_i exp(p_i A_i) for commuting A_i: D small batches of exponentials
-        exps = expm_skew(values.T[:, None, None, :, None, None, None] * gen[:, :, :, None])  # (D, L', H, V, nb, b, b)
+        # (D, L', H, V, nb, b, b)
+        exps = expm_skew(values.T[:, None, None, :, None, None, None] * gen[:, :, :, None])
         rot = exps[0][:, :, index[:, 0, None], blocks]
         for axis in range(1, values.shape[-1]):
             rot = rot @ exps[axis][:, :, index[:, axis, None], blocks]

@@ -83,6 +83,7 @@ class LieRE(RotationPE):
             raise ValueError(f"option positions of encoding 'liere' must be one of ('linspace', 'index', "
                              f"'normalized'), got {positions!r}")
         self.gd = gd
+        self.rotation_kind = 'pair' if gd == 2 else 'block'
         self.num_blocks = ctx.head_dim // gd
         self.num_axes = resolve_num_axes(ctx, num_axes, 'liere')
         self.positions = positions

@@ -21,7 +21,7 @@ from ._lie import (
 )
 from .base import PEContext, PositionalEncoding
 from .rope import RopeMixed
-from .rotary import compute_dtype, rotation_table
+from .rotary import compute_dtype
 
 __all__ = ['StringCayley', 'StringCirculant']
 
@@ -44,7 +44,8 @@ class StringCayley(PositionalEncoding):
 
     Cost: one batched solve per forward gives every layer's and head's ``P`` (``(L, H, hd, hd)``),
     one angle table serves all layers; per attention q and k are multiplied by ``P`` (a dense
-    ``hd x hd`` product per token) and rotated in pairs. For inference `fold_into` multiplies ``P``
+    ``hd x hd`` product per token) and rotated in pairs, in one memory-lean map (backward recovers
+    q from ``R q`` instead of keeping ``P q``). For inference `fold_into` multiplies ``P``
     into the q/k projection weights, leaving a plain learned-frequency RoPE at run time.
 
     Args:
@@ -89,20 +90,24 @@ class StringCayley(PositionalEncoding):
         eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
         return torch.linalg.solve(eye + s, eye - s)
 
+    def angles(self, pos: Positions) -> torch.Tensor:
+        """RoPE-Mixed's angles ``(L, [B,] H, N_total, hd / 2)`` (x first), 0 for prefix tokens."""
+        coords = grid_coordinates(pos, self.rope.grid_mode).flip(-1)
+        theta, _ = self.rope.angles(coords.to(compute_dtype(self.skew)), pos)
+        return pad_identity(theta, pos.num_prefix, 'pair')
+
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]):
-        mix = None if bool(self.folded) else self.orthogonal()
-        table_q = self.rope.table(pos_q)
-        return mix, table_q, (table_q if pos_k is None else self.rope.table(pos_k))
+        # per-layer tensors: indexing one (L, ...) tensor per layer would build full-size gradients
+        mix = None if bool(self.folded) else self.orthogonal().unbind(0)
+        angle_q = self.angles(pos_q).unbind(0)
+        return mix, angle_q, (angle_q if pos_k is None else self.angles(pos_k).unbind(0))
 
     def qk(self, q, k, state, layer, x=None):
-        mix, table_q, table_k = state
+        mix, angle_q, angle_k = state
         if mix is None:
-            return rotate(q, table_q[layer]), rotate(k, table_k[layer])
-        p_t = mix[layer].transpose(-1, -2)  # (H, hd, hd): rows of q times P^T = P q
-        ct = mix.dtype
-        q2 = rotate(q.to(ct) @ p_t, table_q[layer]).to(q.dtype)
-        k2 = rotate(k.to(ct) @ p_t, table_k[layer]).to(k.dtype)
-        return q2, k2
+            return orthogonal_map(q, 'pair', angle_q[layer]), orthogonal_map(k, 'pair', angle_k[layer])
+        return (orthogonal_map(q, 'mixed_pair', mix[layer], angle_q[layer]),
+                orthogonal_map(k, 'mixed_pair', mix[layer], angle_k[layer]))
 
     @torch.no_grad()
     def fold_into(self, model: nn.Module) -> int:
@@ -163,8 +168,8 @@ class StringCirculant(RotationPE):
     prefix tokens are not rotated; ``c ~ N(0, init_std^2)`` with default ``init_std = 1 / sqrt(8 block)``
     (each rotation rate then has std 1/2 radian per unit of position); excluded from weight decay.
 
-    Cost: one table of unit complex numbers per forward, ``(L, H, N, hd / block, block / 2 + 1)``,
-    for all layers; per attention an ``rfft`` / ``irfft`` pair of q and k.
+    Cost: one table of rotation angles per forward, ``(L, H, N, hd / block * (block / 2 + 1))``, for
+    all layers; per attention an ``rfft`` / ``irfft`` pair of q and k.
 
     Args:
         block: circulant block size (default: the head dim).
@@ -175,6 +180,7 @@ class StringCirculant(RotationPE):
     shift_invariant = True
     larger_input = 'extrapolate'
     paper = 'Schenck et al., ICML 2025 (STRING), arXiv:2502.02562'
+    rotation_kind = 'fourier'
 
     def __init__(
             self,
@@ -212,11 +218,11 @@ class StringCirculant(RotationPE):
         coords = grid_coordinates(pos, self.grid_mode).to(self.compute_dtype())
         check_axes('string_circulant', coords, self.num_axes)
         angles = axis_sum(coords, self.rates().flatten(-2))  # (L, [B,] H, N, nb * bins)
-        return pad_identity(rotation_table(angles), pos.num_prefix)
+        return pad_identity(angles, pos.num_prefix, 'fourier')
 
     def qk(self, q, k, state, layer, x=None):
         tq, tk = self.layer_rotations(state, layer, q.shape[0])
-        return orthogonal_map(q, tq, 'fourier', self.block), orthogonal_map(k, tk, 'fourier', self.block)
+        return rotate(q, tq, 'fourier', self.block), rotate(k, tk, 'fourier', self.block)
 
     def extra_repr(self) -> str:
         return f'block={self.block}, blocks={self.num_blocks}, axes={self.num_axes}'
