@@ -199,3 +199,15 @@ def test_plucker_concat_mode_starts_as_add_and_checks_patch_size():
         vispe.create_pe('plucker:patch_size=8', dim=16).double().embed(x, pos)
     with pytest.raises(ValueError, match='multiview'):
         add.embed(x[:, :7], vispe.grid(2, 3, num_prefix=1))
+
+
+def test_plucker_rays_keep_float32_geometry_under_autocast():
+    """Under bf16 autocast the ray geometry stays in the cameras' float32 (a bf16 matmul there mixed
+    dtypes in the cross product and would lose the rays' precision)."""
+    cams = encodings_md_camera().to(torch.float32)
+    uv = torch.rand(5, 2) * 2
+    view_index = torch.zeros(5, dtype=torch.long)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        rays = vispe.cameras.plucker_at(cams, view_index, uv)
+    assert rays.dtype == torch.float32
+    torch.testing.assert_close(rays, vispe.cameras.plucker_at(cams, view_index, uv))

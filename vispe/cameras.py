@@ -264,6 +264,11 @@ def plucker_at(cams: Cameras, view_index: torch.Tensor, uv: torch.Tensor, order:
     """
     if order not in ('moment_first', 'direction_first'):
         raise ValueError(f"order must be 'moment_first' or 'direction_first', got {order!r}")
+    with torch.autocast(device_type=uv.device.type, enabled=False):  # ray geometry in the cameras' precision
+        return _plucker_at(cams, view_index, uv, order)
+
+
+def _plucker_at(cams: Cameras, view_index: torch.Tensor, uv: torch.Tensor, order: RayOrder) -> torch.Tensor:
     # per view, d ~ R K^-1 (u, v, 1): one 3x3 matrix per camera, gathered per token
     M = cams.gather(cams.rotation @ cams.K_inv, view_index)
     o = cams.gather(cams.centers, view_index)

@@ -105,16 +105,22 @@ class PositionalEncoding(nn.Module):
         """Build the per-forward state shared by all layers (cached in eval mode)."""
         cacheable = not self.training and not torch.is_grad_enabled() and not _compiling()
         if not cacheable:
-            return self._prepare(pos_q, pos_k)
+            return self._full_precision_prepare(pos_q, pos_k)
         versions = tuple(p._version for p in self.parameters()) + (torch.is_inference_mode_enabled(),)
         if self._cache is not None:
             cq, ck, cv, state = self._cache
             if cv == versions and cq.same_as(pos_q) and (
                     (ck is None and pos_k is None) or (ck is not None and pos_k is not None and ck.same_as(pos_k))):
                 return state
-        state = self._prepare(pos_q, pos_k)
+        state = self._full_precision_prepare(pos_q, pos_k)
         self._cache = (pos_q, pos_k, versions, state)
         return state
+
+    def _full_precision_prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Any:
+        # state is built from positions and parameters in their own precision: under autocast the
+        # matrix products here (rotation exponentials, camera geometry) would otherwise run in bf16
+        with torch.autocast(device_type=pos_q.coords.device.type, enabled=False):
+            return self._prepare(pos_q, pos_k)
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Any:
         return None
