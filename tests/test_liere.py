@@ -6,8 +6,8 @@ import timm
 import torch
 
 import vispe
-from vispe.encodings._lie import expm_skew, fourier_rotation, orthogonal_map
-from vispe.encodings.rotary import apply_block_rotation, apply_pair_rotation
+from vispe.encodings._lie import expm_skew
+from vispe.encodings.rotary import apply_block_rotation, apply_pair_rotation, fourier_rotation, orthogonal_map
 from conftest import TINY
 
 
@@ -48,12 +48,17 @@ def test_expm_skew_of_2x2_blocks_is_a_plane_rotation():
     torch.testing.assert_close(expm_skew(a), expected)
 
 
-@pytest.mark.parametrize('kind', ['pair', 'block', 'fourier', 'mixed_pair'])
+@pytest.mark.parametrize('kind', ['pair', 'table', 'yarn_table', 'block', 'fourier', 'mixed_pair'])
 def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
-    """The training path recovers x = R^T (R x) in backward instead of saving x: same gradients."""
+    """The training path recovers x = R^-1 (R x) in backward instead of saving x: same gradients."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
     angle = torch.randn(3, 5, 4, dtype=torch.float64)
-    if kind == 'pair':
+    if kind in ('table', 'yarn_table'):  # RoPE's complex table; YaRN scales it by a temperature != 1
+        magnitude = 1.0 if kind == 'table' else 1.2
+        params = (torch.polar(torch.full_like(angle, magnitude), angle),)
+        kind = 'table'
+        direct = apply_pair_rotation
+    elif kind == 'pair':
         params = (angle,)
 
         def direct(v, a):
@@ -261,3 +266,28 @@ def test_liere_works_under_torch_compile(backend):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', ['liere', 'comrope_ap', 'comrope_ld', 'string_cayley', 'string_circulant'])
+def test_cross_attention_rotates_queries_and_keys_by_their_own_positions(name):
+    pe = vispe.create_pe(name, dim=32, num_heads=2, depth=2, grid_size=(4, 4), num_prefix_tokens=1).double().eval()
+    pos_q = vispe.points(torch.rand(5, 2, dtype=torch.float64), num_prefix=1)
+    pos_k = vispe.points(torch.rand(7, 2, dtype=torch.float64) * 3, num_prefix=1)
+    q, k = torch.randn(2, 2, 6, 16, dtype=torch.float64), torch.randn(2, 2, 8, 16, dtype=torch.float64)
+    q2, k2 = pe.qk(q, k, pe.prepare(pos_q, pos_k), layer=1)
+    q_self, _ = pe.qk(q, q, pe.prepare(pos_q), layer=1)  # self-attention rotates q and k in one call
+    _, k_self = pe.qk(k, k, pe.prepare(pos_k), layer=1)
+    torch.testing.assert_close(q2, q_self)
+    torch.testing.assert_close(k2, k_self)
+
+
+@pytest.mark.parametrize('name', ['liere', 'comrope_ap:block=4', 'string_cayley'])
+def test_rotations_are_built_in_full_precision_under_autocast(name):
+    """prepare() runs outside autocast: bf16 scaling-and-squaring would break orthogonality at ~1e-2."""
+    pe = vispe.create_pe(name, dim=32, num_heads=2, depth=2, grid_size=(4, 4), num_prefix_tokens=1).eval()
+    pos = vispe.grid((4, 4), num_prefix=1)
+    with torch.autocast('cpu', dtype=torch.bfloat16), torch.no_grad():
+        state = pe.prepare(pos)
+    q = torch.randn(2, 2, 17, 16)
+    q2, _ = pe.qk(q, q, state, layer=1)
+    torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1), rtol=1e-5, atol=1e-5)

@@ -158,3 +158,33 @@ def test_rope_in_bf16_matches_float32_within_bf16_precision():
     out, _ = pe.qk(q.bfloat16(), q.bfloat16(), pe.prepare(pos), 0)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def _saved_bytes(model, x):
+    """Bytes of the distinct storages a training forward saves for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize('pe', ['rope_axial', 'rope_mixed', 'liere', 'comrope_ap:block=4,jitter=0', 'string_cayley',
+                                'string_circulant'])
+def test_rotation_saves_nothing_per_sample_beyond_no_encoding(pe):
+    """What a rotary encoding adds to the activations saved for backward (its rotation tables) does not
+    grow with the batch: only the rotated q and k are kept (attention keeps them anyway), v's own copy
+    lets the fused qkv projection go, and the rotated q keeps attention's memory layout, so the
+    projection after attention saves no relaid copy of its output."""
+    def extra(batch):
+        x = torch.randn(batch, 3, 32, 32)
+        torch.manual_seed(0)
+        with_pe = _saved_bytes(timm.create_model('vit_tiny', pe=pe, **TINY).train(), x)
+        return with_pe - _saved_bytes(timm.create_model('vit_tiny', pe='none', **TINY).train(), x)
+    assert extra(2) == extra(6)

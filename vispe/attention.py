@@ -70,7 +70,13 @@ def pe_attention(
     if pe is not None:
         hooks = pe.hooks
         if 'qk' in hooks:
+            q_in = q
             q, k = pe.qk(q, k, state, layer, x=x)
+            if (v.requires_grad and torch.is_grad_enabled() and q is not q_in and v._base is not None
+                    and v._base is q_in._base):
+                # v is a view of the fused qkv projection: saved for backward next to the new rotated
+                # q and k, it would keep the whole projection alive; its own copy lets that go
+                v = v.clone()
         if 'value' in hooks:
             v = pe.value(v, state, layer)
         if 'bias' in hooks:

@@ -12,8 +12,8 @@ block-diagonal). What lives here:
   ``b = 2`` (a learned-frequency RoPE, cos / sin in closed form), else ``b x b`` blocks whose Taylor
   part is one GEMM over monomials of the coordinates followed by a few squarings; in training it is
   recomputed in backward (`layerwise_exp`: one layer at a time) instead of storing intermediates;
-* `orthogonal_map` / `rotate`: apply a rotation with the shared kernels of `rotary` (pairs, blocks)
-  or the FFT, keeping only the rotated output for backward (the input is recovered as ``R^T (R x)``);
+* rotations are applied with `rotary.rotate_qk` (pairs, blocks, FFT), which keeps only the rotated
+  output for backward (the input is recovered as ``R^T (R x)``);
 * `RotationPE`: the per-forward state (per-layer rotation tensors, identity rows for prefix tokens,
   per-sample rotations built lazily once the batch size is known) and the ``qk`` hook.
 
@@ -32,11 +32,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ..positions import Positions
 from .base import PEContext, PositionalEncoding
-from .rotary import apply_block_rotation, apply_pair_rotation, compute_dtype, rotation_table
+from .rotary import compute_dtype, rotate_qk
 
 __all__ = [
     'expm_skew', 'skew', 'skew_from_upper', 'axis_sum', 'linear_exp', 'layerwise_exp', 'pad_identity',
-    'fourier_rotation', 'orthogonal_map', 'rotate', 'resolve_num_axes', 'token_grid', 'check_axes',
+    'resolve_num_axes', 'token_grid', 'check_axes',
     'LazyRotations', 'RotationPE', 'Rotations',
 ]
 
@@ -244,82 +244,6 @@ def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:
     return torch.cat([rot.new_zeros(shape), rot], dim=-2)
 
 
-def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
-    """``IFFT(table * FFT(z))`` on each length-``block`` channel block ``z`` of ``x`` (real FFT): the
-    rotation by a circulant exponential. ``table`` ``(..., N, blocks * (block // 2 + 1))`` unit complex."""
-    ct = torch.promote_types(x.dtype, torch.float32)
-    spectrum = torch.fft.rfft(x.to(ct).unflatten(-1, (-1, block)), dim=-1)
-    spectrum = spectrum * table.unflatten(-1, (spectrum.shape[-2], -1)).to(spectrum.dtype)
-    return torch.fft.irfft(spectrum, n=block, dim=-1).flatten(-2).to(x.dtype)
-
-
-# Rotation kinds: (R x, R^T y) from the same parameters. Pair and FFT rotations are stored as real
-# angles (the unit complex table is rebuilt on use, so training keeps half the bytes per rotation).
-def _mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
-    return x.to(mix.dtype) @ mix.transpose(-1, -2)
-
-
-_KERNELS: Dict[str, Tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
-    'pair': (lambda x, angle, block: apply_pair_rotation(x, rotation_table(angle)),
-             lambda y, angle, block: apply_pair_rotation(y, rotation_table(-angle))),
-    'block': (lambda x, rot, block: apply_block_rotation(x, rot),
-              lambda y, rot, block: apply_block_rotation(y, rot.transpose(-1, -2))),
-    'fourier': (lambda x, angle, block: fourier_rotation(x, rotation_table(angle), block),
-                lambda y, angle, block: fourier_rotation(y, rotation_table(-angle), block)),
-    # Cayley-STRING: RoPE(r) P x (P orthogonal, dense per head), inverse P^T RoPE(-r) y
-    'mixed_pair': (lambda x, mix, angle, block: apply_pair_rotation(_mix(x, mix), rotation_table(angle)).to(x.dtype),
-                   lambda y, mix, angle, block: (apply_pair_rotation(y, rotation_table(-angle)).to(mix.dtype)
-                                                 @ mix).to(y.dtype)),
-}
-
-
-class _OrthogonalMap(torch.autograd.Function):
-    """``x -> R x`` for an orthogonal ``R`` given by ``params``, keeping only ``R x`` (which attention
-    keeps anyway) and the parameters for backward: there ``grad_x = R^T grad`` and, for the parameters'
-    gradient, ``x = R^T (R x)`` is recovered instead of storing a copy of q or k per layer."""
-
-    @staticmethod
-    def forward(ctx, kind, block, x, *params):
-        out = _KERNELS[kind][0](x, *params, block)
-        ctx.save_for_backward(out, *params)
-        ctx.kind, ctx.block = kind, block
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out, *params = ctx.saved_tensors
-        forward, inverse = _KERNELS[ctx.kind]
-        grad_x = inverse(grad, *params, ctx.block) if ctx.needs_input_grad[2] else None
-        need = ctx.needs_input_grad[3:]
-        grads = [None] * len(params)
-        if any(need):
-            x = inverse(out, *params, ctx.block)
-            with torch.enable_grad():
-                leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need)]
-                found = torch.autograd.grad(forward(x, *leaves, ctx.block), [p for p, n in zip(leaves, need) if n],
-                                            grad)
-            it = iter(found)
-            grads = [next(it) if n else None for n in need]
-        return (None, None, grad_x, *grads)
-
-
-def orthogonal_map(x: torch.Tensor, kind: str, *params: torch.Tensor, block: int = 0) -> torch.Tensor:
-    """Rotate ``x`` by a rotation of ``kind`` (``pair`` angles, ``block`` matrices, ``fourier`` angles,
-    ``mixed_pair`` matrix and angles) with the shared kernels; memory-lean under autograd."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-        return _OrthogonalMap.apply(kind, block, x, *params)
-    return _KERNELS[kind][0](x, *params, block)
-
-
-def rotate(x: torch.Tensor, rot: torch.Tensor, kind: str, block: int = 0) -> torch.Tensor:
-    """Apply one rotation tensor of ``kind`` to ``x`` ``(B, H, N, hd)``; channels beyond whole ``b x b``
-    blocks pass through (LieRE when ``gd`` does not divide the head dim)."""
-    if kind == 'block' and rot.shape[-3] * rot.shape[-1] != x.shape[-1]:
-        width = rot.shape[-3] * rot.shape[-1]
-        return torch.cat([orthogonal_map(x[..., :width], kind, rot), x[..., width:]], dim=-1)
-    return orthogonal_map(x, kind, rot, block=block)
-
-
 def resolve_num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
     """Coordinate axes D: the option, else the host grid's, else 2."""
     if num_axes is not None:
@@ -370,7 +294,8 @@ class RotationPE(PositionalEncoding):
     gradient for every layer).
     """
     shift_invariant = True
-    rotation_kind: str = 'block'  # how `rotation` tensors are applied (see `orthogonal_map`)
+    rotation_kind: str = 'block'  # how `rotation` tensors are applied (see `rotary.orthogonal_map`)
+    rotation_block: int = 0  # FFT block size of kind 'fourier'
 
     def per_sample(self, pos: Positions) -> bool:
         """True when this forward's rotations of ``pos`` differ between samples (training-time jitter)."""
@@ -404,7 +329,7 @@ class RotationPE(PositionalEncoding):
 
     def qk(self, q, k, state, layer, x=None):
         rq, rk = self.layer_rotations(state, layer, q.shape[0])
-        return rotate(q, rq, self.rotation_kind), rotate(k, rk, self.rotation_kind)
+        return rotate_qk(q, k, rq, rk, self.rotation_kind, self.rotation_block)
 
 
 def heads_and_layers(ctx: PEContext, per_layer: bool, per_head: bool = True) -> Tuple[int, int]:

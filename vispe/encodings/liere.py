@@ -32,9 +32,10 @@ class LieRE(RotationPE):
     * per coordinate axis ``d`` a generator ``A_d = T_d - T_d^T`` from the strict upper triangle
       ``T_d`` of a learned parameter, block-diagonal: the head dim is split into ``hd // gd``
       consecutive ``gd x gd`` blocks (channels beyond ``gd * (hd // gd)`` are not rotated);
-    * generators per layer and per head by default (``per_layer``, ``per_head``); the original code
-      meant the same but its ViT reuses layer 0's rotations in every layer through a slicing bug,
-      which vispe does not reproduce;
+    * generators per layer and per head by default (``per_layer``, ``per_head``); the original ViT
+      reuses layer 0's rotations in every layer through a slicing bug, which vispe does not
+      reproduce; the released ``imagenet_224.yaml`` turns both options off, which
+      ``per_layer=false, per_head=false`` gives;
     * raw parameters (the strict upper triangles, stored packed as ``generators`` with shape
       ``(D, L', H', hd // gd, gd (gd - 1) / 2)``) initialised uniformly in ``[0, 2 pi)``, as RoPE-Mixed
       draws its angles; excluded from weight decay;
@@ -49,8 +50,9 @@ class LieRE(RotationPE):
     changes the logits. This is the method as published, not a defect to fix.
 
     Cost: ``R`` depends on positions and parameters only; it is built once per forward for all
-    layers and heads (``L' x H' x N x hd/gd`` small exponentials, never per sample) and cached in
-    eval mode; ``gd = 2`` uses the closed form (cos / sin) and the pair-rotation kernel.
+    layers and heads (``L' x H' x N x hd/gd`` small exponentials, never per sample; their Taylor
+    part is one GEMM over monomials of the coordinates, then a few squarings) and cached in eval
+    mode; ``gd = 2`` uses the closed form (cos / sin) and the pair-rotation kernel.
 
     Args:
         gd: generator block size (8 in the paper's ImageNet setting; 2 = learned-frequency RoPE).

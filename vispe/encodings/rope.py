@@ -18,7 +18,7 @@ from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from .base import PEContext, PositionalEncoding
 from .rotary import (
-    FrequencyScaling, apply_pair_rotation, axial_frequencies, compute_dtype, pad_prefix, rotation_table, scale_frequencies,
+    FrequencyScaling, axial_frequencies, compute_dtype, pad_prefix, rotate_qk, rotation_table, scale_frequencies,
 )
 
 __all__ = ['RopeAxial', 'RopeMixed', 'PairRotaryPE']
@@ -62,7 +62,7 @@ class PairRotaryPE(PositionalEncoding):
         rot_q, rot_k = state
         if self.per_layer:
             rot_q, rot_k = rot_q[layer], rot_k[layer]
-        return apply_pair_rotation(q, rot_q), apply_pair_rotation(k, rot_k)
+        return rotate_qk(q, k, rot_q, rot_k, 'table')
 
 
 def _axis_factor(pos: Positions, axis: int, fixed: Optional[float]) -> Tuple[float, float]:

@@ -13,13 +13,14 @@ Two pair layouts exist in the field:
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Literal, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 __all__ = [
     'PairLayout', 'FrequencyScaling', 'axial_frequencies', 'scale_frequencies', 'rotation_table',
     'apply_pair_rotation', 'apply_block_rotation', 'pad_prefix', 'compute_dtype',
+    'block_rotation_grad', 'fourier_rotation', 'orthogonal_map', 'rotate', 'rotate_qk', 'RotationKind',
 ]
 
 PairLayout = Literal['interleaved', 'half']
@@ -142,6 +143,140 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     # einsum keeps broadcast dims out of the batched product; `rot @ xb` would copy rot once per sample
     out = torch.einsum('...ij,...j->...i', rot.to(ct), xb)
     return out.flatten(-2).to(x.dtype)
+
+
+def block_rotation_grad(grad: torch.Tensor, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``<grad, apply_block_rotation(x, rot)>`` with respect to ``rot``: per block the
+    outer product ``grad_i x_j``, summed over the dims ``rot`` broadcasts along (one einsum, no
+    per-sample ``b x b`` tensor)."""
+    nb, b = rot.shape[-3], rot.shape[-1]
+    ct = torch.promote_types(grad.dtype, torch.float32)
+    lead = x.dim() - 1
+    letters = 'abcdefghklmnopqrstuvwxyz'[:lead + 1]  # x's leading dims and the block index
+    aligned = (1,) * (lead + 1 - (rot.dim() - 2)) + tuple(rot.shape[:-2])
+    kept = ''.join(c for c, r in zip(letters, aligned) if r != 1)
+    g = torch.einsum(f'{letters}i,{letters}j->{kept}ij', grad.to(ct).unflatten(-1, (nb, b)),
+                     x.to(ct).unflatten(-1, (nb, b)))
+    return g.reshape(rot.shape)
+
+
+def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
+    """``IFFT(table * FFT(z))`` on each length-``block`` channel block ``z`` of ``x`` (real FFT): the
+    rotation by a circulant exponential. ``table`` ``(..., N, blocks * (block // 2 + 1))`` unit complex."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    spectrum = torch.fft.rfft(x.to(ct).unflatten(-1, (-1, block)), dim=-1)
+    spectrum = spectrum * table.unflatten(-1, (spectrum.shape[-2], -1)).to(spectrum.dtype)
+    return torch.fft.irfft(spectrum, n=block, dim=-1).flatten(-2).to(x.dtype)
+
+
+def _mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    return x.to(mix.dtype) @ mix.transpose(-1, -2)
+
+
+Kernel = Callable[..., torch.Tensor]
+
+
+class RotationKind(NamedTuple):
+    """How one kind of rotation is applied: ``R x``, ``R^T y``, ``R^-1 y`` (None: ``R^T``, the
+    rotation is orthogonal) and, optionally, the parameters' gradients ``(grad, x, *params) ->
+    grads`` (None: autograd through ``forward``)."""
+    forward: Kernel
+    adjoint: Kernel
+    inverse: Optional[Kernel] = None
+    param_grads: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
+
+
+# ``table``: a complex pair table as RoPE builds it (YaRN scales its magnitude, so there
+# R^-1 != R^T). ``pair`` / ``fourier``: real angles, the unit complex table rebuilt on use (training
+# keeps half the bytes per rotation). ``block``: b x b matrices. ``mixed_pair``: Cayley-STRING's
+# RoPE(r) P x, P orthogonal and dense per head.
+_KERNELS: Dict[str, RotationKind] = {
+    'table': RotationKind(lambda x, table, block: apply_pair_rotation(x, table),
+                          lambda y, table, block: apply_pair_rotation(y, table.conj()),
+                          lambda y, table, block: apply_pair_rotation(y, table.reciprocal())),
+    'pair': RotationKind(lambda x, angle, block: apply_pair_rotation(x, rotation_table(angle)),
+                         lambda y, angle, block: apply_pair_rotation(y, rotation_table(-angle))),
+    'block': RotationKind(lambda x, rot, block: apply_block_rotation(x, rot),
+                          lambda y, rot, block: apply_block_rotation(y, rot.transpose(-1, -2)),
+                          param_grads=lambda grad, x, rot, block: (block_rotation_grad(grad, x, rot),)),
+    'fourier': RotationKind(lambda x, angle, block: fourier_rotation(x, rotation_table(angle), block),
+                            lambda y, angle, block: fourier_rotation(y, rotation_table(-angle), block)),
+    'mixed_pair': RotationKind(
+        lambda x, mix, angle, block: apply_pair_rotation(_mix(x, mix), rotation_table(angle)).to(x.dtype),
+        lambda y, mix, angle, block: (apply_pair_rotation(y, rotation_table(-angle)).to(mix.dtype) @ mix).to(y.dtype)),
+}
+
+
+class _SavedOutputRotation(torch.autograd.Function):
+    """``x -> R x`` keeping only ``R x`` (which attention saves anyway) and the parameters for
+    backward: there ``grad_x = R^T grad`` and, for the parameters' gradient, ``x = R^-1 (R x)`` is
+    recovered instead of storing a second copy of q or k per layer."""
+
+    @staticmethod
+    def forward(ctx, kind, block, x, *params):
+        out = _KERNELS[kind].forward(x, *params, block)
+        if out.stride() != x.stride():
+            # keep x's memory layout: SDPA's output follows q's, and the projection after attention
+            # would otherwise save a relaid copy of it next to the one attention saves
+            out = torch.empty_like(x).copy_(out)
+        ctx.save_for_backward(out, *params)
+        ctx.kind, ctx.block = kind, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, *params = ctx.saved_tensors
+        kernels = _KERNELS[ctx.kind]
+        grad_x = kernels.adjoint(grad, *params, ctx.block) if ctx.needs_input_grad[2] else None
+        need = ctx.needs_input_grad[3:]
+        grads = [None] * len(params)
+        if any(need):
+            x = (kernels.inverse or kernels.adjoint)(out, *params, ctx.block)
+            if kernels.param_grads is not None:
+                grads = [g if n else None for g, n in zip(kernels.param_grads(grad, x, *params, ctx.block), need)]
+            else:
+                with torch.enable_grad():
+                    leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need)]
+                    found = torch.autograd.grad(kernels.forward(x, *leaves, ctx.block),
+                                                [p for p, n in zip(leaves, need) if n], grad)
+                it = iter(found)
+                grads = [next(it) if n else None for n in need]
+        return (None, None, grad_x, *grads)
+
+
+def orthogonal_map(x: torch.Tensor, kind: str, *params: torch.Tensor, block: int = 0) -> torch.Tensor:
+    """Rotate ``x`` by a rotation of ``kind`` (``table`` complex pairs, ``pair`` angles, ``block``
+    matrices, ``fourier`` angles, ``mixed_pair`` matrix and angles); memory-lean under autograd."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return _SavedOutputRotation.apply(kind, block, x, *params)
+    return _KERNELS[kind].forward(x, *params, block)
+
+
+def rotate(x: torch.Tensor, params: Sequence[torch.Tensor], kind: str, block: int = 0) -> torch.Tensor:
+    """Apply a rotation of ``kind`` (parameters ``params``) to ``x`` ``(..., N, hd)``; channels beyond
+    whole ``b x b`` blocks pass through (LieRE when ``gd`` does not divide the head dim)."""
+    if kind == 'block':
+        width = params[0].shape[-3] * params[0].shape[-1]
+        if width != x.shape[-1]:
+            return torch.cat([orthogonal_map(x[..., :width], kind, *params), x[..., width:]], dim=-1)
+    return orthogonal_map(x, kind, *params, block=block)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, rot_q: Any, rot_k: Any, kind: str, block: int = 0
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`rotate` q and k; in self-attention (one rotation for both) as a single call on ``stack(q, k)``,
+    which halves the kernel launches and widens the small per-position products.
+    ``rot_q`` / ``rot_k``: a tensor, or a tuple of tensors for the multi-parameter kinds."""
+    params_q = rot_q if isinstance(rot_q, tuple) else (rot_q,)
+    params_k = rot_k if isinstance(rot_k, tuple) else (rot_k,)
+    if q.shape == k.shape and all(a is b for a, b in zip(params_q, params_k)):
+        # stacked in q's memory order (a fused qkv projection gives (B, N, H, hd) under the (B, H, N, hd)
+        # view), which the elementwise kernels and so attention's output keep
+        order = sorted(range(q.dim() - 1), key=lambda d: -q.stride(d)) + [q.dim() - 1]  # channels stay last
+        both = torch.stack((q.permute(order), k.permute(order))).permute(0, *[1 + order.index(d) for d in range(q.dim())])
+        both = rotate(both, params_q, kind, block)
+        return both[0], both[1]
+    return rotate(q, params_q, kind, block), rotate(k, params_k, kind, block)
 
 
 def check_head_dim(name: str, head_dim: int, multiple: int, why: str) -> None:

@@ -16,12 +16,12 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ._lie import (
-    RotationPE, axis_sum, check_axes, heads_and_layers, orthogonal_map, pad_identity, require_divisible,
-    resolve_num_axes, rotate, skew_from_upper,
+    RotationPE, axis_sum, check_axes, heads_and_layers, pad_identity, require_divisible, resolve_num_axes,
+    skew_from_upper,
 )
 from .base import PEContext, PositionalEncoding
 from .rope import RopeMixed
-from .rotary import compute_dtype
+from .rotary import compute_dtype, rotate_qk
 
 __all__ = ['StringCayley', 'StringCirculant']
 
@@ -105,9 +105,8 @@ class StringCayley(PositionalEncoding):
     def qk(self, q, k, state, layer, x=None):
         mix, angle_q, angle_k = state
         if mix is None:
-            return orthogonal_map(q, 'pair', angle_q[layer]), orthogonal_map(k, 'pair', angle_k[layer])
-        return (orthogonal_map(q, 'mixed_pair', mix[layer], angle_q[layer]),
-                orthogonal_map(k, 'mixed_pair', mix[layer], angle_k[layer]))
+            return rotate_qk(q, k, angle_q[layer], angle_k[layer], 'pair')
+        return rotate_qk(q, k, (mix[layer], angle_q[layer]), (mix[layer], angle_k[layer]), 'mixed_pair')
 
     @torch.no_grad()
     def fold_into(self, model: nn.Module) -> int:
@@ -192,7 +191,7 @@ class StringCirculant(RotationPE):
             init_std: Optional[float] = None,
     ) -> None:
         super().__init__(ctx)
-        self.block = block or ctx.head_dim
+        self.block = self.rotation_block = block or ctx.head_dim
         self.num_blocks = require_divisible('string_circulant', ctx.head_dim, self.block)
         self.num_axes = resolve_num_axes(ctx, num_axes, 'string_circulant')
         self.grid_mode = grid_mode
@@ -219,10 +218,6 @@ class StringCirculant(RotationPE):
         check_axes('string_circulant', coords, self.num_axes)
         angles = axis_sum(coords, self.rates().flatten(-2))  # (L, [B,] H, N, nb * bins)
         return pad_identity(angles, pos.num_prefix, 'fourier')
-
-    def qk(self, q, k, state, layer, x=None):
-        tq, tk = self.layer_rotations(state, layer, q.shape[0])
-        return rotate(q, tq, 'fourier', self.block), rotate(k, tk, 'fourier', self.block)
 
     def extra_repr(self) -> str:
         return f'block={self.block}, blocks={self.num_blocks}, axes={self.num_axes}'
