@@ -64,7 +64,7 @@ class PositionalEncoding(nn.Module):
       not, None when the notion does not apply (absolute encodings);
     * ``larger_input``: ``'extrapolate'``, ``'interpolate'``, ``'resample'`` or ``'n/a'``;
     * ``paper``: the reference, ``needs_tokens``: ``qk`` wants the normed attention input,
-      ``changes_head_dim``: ``qk`` returns wider q/k (fused kernels may not apply);
+      ``changes_head_dim``: ``qk`` returns wider q/k (and ``value`` pads v to the same width);
     * ``requires``: `Positions` fields beyond coordinates that the encoding reads (e.g.
       ``'cameras'``); a plain image ViT supplies none of them.
 
@@ -94,7 +94,7 @@ class PositionalEncoding(nn.Module):
     @property
     def flash_eligible(self) -> bool:
         """True when attention can stay on SDPA without a mask (flash / memory-efficient kernels)."""
-        return not (self.hooks & {'bias', 'weights_value'}) and not self.changes_head_dim
+        return not (self.hooks & {'bias', 'weights_value'})
 
     def no_weight_decay(self) -> set:
         """Names (relative to this module) of parameters that must not be weight-decayed."""

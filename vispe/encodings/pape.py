@@ -84,6 +84,12 @@ class _Parabolic(PositionalEncoding):
         self.num_pad = -total % pad_to_multiple
         self.attn_scale = ctx.head_dim ** -0.5
 
+    @property
+    def flash_eligible(self) -> bool:
+        # q, k and v share the padded width; CUDA's flash kernels take head dims up to 256 (checked
+        # on an H200 with benchmarks/cuda_check.py)
+        return self.ctx.head_dim + self.num_extra + self.num_pad <= 256
+
     def coordinates(self, pos_q: Positions, pos_k: Optional[Positions]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Query and key coordinates, both shifted by the mean key grid position.
 
