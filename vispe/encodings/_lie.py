@@ -147,20 +147,30 @@ def _monomial_plan(num_axes: int, degree: int) -> Tuple[Tuple[Tuple[int, ...], .
     return tuple(m for level in levels for m in level), tuple(incidence)
 
 
+@lru_cache(maxsize=None)
+def _plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch.dtype
+                  ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+    """`_monomial_plan` as tensors on ``device``: the exponents ``(K, D)`` and the incidence matrices,
+    made once (each host-to-device copy of them would stall a GPU's queue)."""
+    monomials, incidence = _monomial_plan(num_axes, degree)
+    return (torch.tensor(monomials, dtype=dtype, device=device),
+            tuple(inc.to(device=device, dtype=dtype) for inc in incidence))
+
+
 def _word_sums(gen: torch.Tensor, degree: int) -> torch.Tensor:
     """``S_alpha`` for ``|alpha| <= degree``: the sum of all products of generators with ``alpha_d``
     factors ``A_d``, so that ``(sum_d p_d A_d)^k = sum_{|alpha| = k} p^alpha S_alpha``. Built degree by
     degree from ``S_alpha = sum_d A_d S_{alpha - e_d}``: per degree one batched product and one small
     GEMM with the 0/1 incidence matrix. gen ``(D, ...lead, b, b)`` -> ``(K, ...lead, b, b)``."""
     num_axes, b = gen.shape[0], gen.shape[-1]
-    _, incidence = _monomial_plan(num_axes, degree)
+    _, incidence = _plan_tensors(num_axes, degree, gen.device, gen.dtype)
     lead = gen.shape[1:-2]
     level = torch.eye(b, dtype=gen.dtype, device=gen.device).expand(1, *lead, b, b)
     levels = [level]
     for k, inc in enumerate(incidence, start=1):
         # A_d S_m for every axis d and monomial m of degree k - 1: (D, n_{k-1}, ...)
         prods = gen.unsqueeze(1) if k == 1 else gen.unsqueeze(1) @ level.unsqueeze(0)
-        level = (inc.to(gen) @ prods.reshape(inc.shape[1], -1)).reshape(inc.shape[0], *lead, b, b)
+        level = (inc @ prods.reshape(inc.shape[1], -1)).reshape(inc.shape[0], *lead, b, b)
         levels.append(level)
     return torch.cat(levels)
 
@@ -169,8 +179,7 @@ def _linear_exp_blocks(gen: torch.Tensor, coords: torch.Tensor, squarings: int, 
     """``exp(sum_d p_d A_d) = T(p / 2^s)^(2^s)`` with the Taylor polynomial ``T`` written as a polynomial
     in the coordinates, ``sum_alpha p^alpha S_alpha / (2^(s |alpha|) |alpha|!)``: one GEMM evaluates it
     at every position (no matrix product per position), then ``s`` squarings."""
-    monomials, _ = _monomial_plan(gen.shape[0], degree)
-    exponents = torch.tensor(monomials, dtype=coords.dtype, device=coords.device)  # (K, D)
+    exponents, _ = _plan_tensors(gen.shape[0], degree, coords.device, coords.dtype)  # (K, D)
     order = exponents.sum(-1)
     scale = torch.exp2(-squarings * order) / torch.lgamma(order + 1).exp()
     coef = (coords.unsqueeze(-2) ** exponents).prod(-1) * scale  # ([B,] N, K)
@@ -188,7 +197,23 @@ def _linear_exp_blocks(gen: torch.Tensor, coords: torch.Tensor, squarings: int, 
     return y.reshape(shape)
 
 
-def linear_exp(gen: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+def _poly_degree(num_axes: int) -> int:
+    return _TAYLOR_DEGREE if num_axes < 3 else 10
+
+
+def _squarings(gen: torch.Tensor, coords: torch.Tensor) -> int:
+    """Squarings that bring every ``sum_d p_d A_d`` within the Taylor polynomial's range (one host sync):
+    ``||sum_d p_d A_d||_2 <= sum_d |p_d| ||A_d||_2`` and ``||A||_2 <= ||A^4||_F^(1/4)``."""
+    num_axes = gen.shape[0]
+    with torch.no_grad():
+        g = gen.reshape(num_axes, -1, *gen.shape[-2:])
+        g2 = g @ g
+        rho = (g2 @ g2).flatten(-2).norm(dim=-1).pow(0.25)  # (D, L' H' nb)
+        bound = (coords.reshape(-1, num_axes).abs() @ rho).amax()
+    return _num_squarings(bound, _poly_degree(num_axes), gen.dtype)
+
+
+def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int] = None) -> torch.Tensor:
     """``R(p) = exp(sum_d p_d A_d)`` for every position: gen ``(D, L', H', nb, b, b)`` skew blocks,
     coords ``([B,] N, D)``.
 
@@ -196,37 +221,32 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
     ``pair``: interleaved channel pairs are the consecutive 2 x 2 blocks). ``b > 2``: real blocks
     ``(L', [B,] H', N, nb, b, b)`` by scaling and squaring, the Taylor part evaluated for all positions
     by one GEMM over monomials of the coordinates (up to three axes; more axes exponentiate each
-    position). With gradients on, the result is recomputed in backward rather than keeping the
-    squarings' intermediates.
+    position), with ``squarings`` squarings (default: from a norm bound). With gradients on, the
+    result is recomputed in backward rather than keeping the squarings' intermediates.
     """
     if gen.shape[-1] == 2:
         return axis_sum(coords, gen[..., 1, 0])
     num_axes = gen.shape[0]
     if num_axes > _MAX_POLY_AXES:
         return expm_skew(axis_sum(coords, gen).contiguous())
-    degree = _TAYLOR_DEGREE if num_axes < 3 else 10
-    # ||sum_d p_d A_d||_2 <= sum_d |p_d| ||A_d||_2, and ||A||_2 <= ||A^4||_F^(1/4)
-    with torch.no_grad():
-        g = gen.reshape(num_axes, -1, *gen.shape[-2:])
-        g2 = g @ g
-        rho = (g2 @ g2).flatten(-2).norm(dim=-1).pow(0.25)  # (D, L' H' nb)
-        bound = (coords.reshape(-1, num_axes).abs() @ rho).amax()
-    squarings = _num_squarings(bound, degree, gen.dtype)
+    squarings = _squarings(gen, coords) if squarings is None else squarings
     if torch.is_grad_enabled() and (gen.requires_grad or coords.requires_grad):
-        return checkpoint(_linear_exp_blocks, gen, coords, squarings, degree, use_reentrant=False)
-    return _linear_exp_blocks(gen, coords, squarings, degree)
+        return checkpoint(_linear_exp_blocks, gen, coords, squarings, _poly_degree(num_axes), use_reentrant=False)
+    return _linear_exp_blocks(gen, coords, squarings, _poly_degree(num_axes))
 
 
 def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) -> Rotations:
     """`linear_exp` with ``num_prefix`` identity rows prepended, for the state of a `RotationPE`.
 
     In training with ``b > 2`` each layer is computed (and recomputed in backward) on its own, so the
-    backward pass holds one layer's scaling-and-squaring intermediates at a time, not all of them.
+    backward pass holds one layer's scaling-and-squaring intermediates at a time, not all of them;
+    the number of squarings is found once for all layers.
     """
     kind = 'pair' if gen.shape[-1] == 2 else 'block'
     if kind == 'pair' or not (torch.is_grad_enabled() and gen.requires_grad):
         return pad_identity(linear_exp(gen, coords), num_prefix, kind)
-    return [pad_identity(linear_exp(g, coords), num_prefix, kind)[0] for g in gen.split(1, dim=1)]
+    squarings = _squarings(gen, coords) if gen.shape[0] <= _MAX_POLY_AXES else None
+    return [pad_identity(linear_exp(g, coords, squarings), num_prefix, kind)[0] for g in gen.split(1, dim=1)]
 
 
 def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:
