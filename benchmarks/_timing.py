@@ -7,15 +7,17 @@ machine load hit all of them alike.
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
-import resource
 import statistics
 import time
+import weakref
 from typing import Callable, Dict
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ['time_fn', 'compare', 'peak_memory', 'sync', 'eval_step', 'train_step']
+__all__ = ['time_fn', 'compare', 'peak_memory', 'TensorMemory', 'sync', 'eval_step', 'train_step']
 
 
 def sync(device: torch.device) -> None:
@@ -64,12 +66,41 @@ def compare(fns: Dict[str, Callable[[], object]], rounds: int = 7, per_round: in
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def peak_memory(fn: Callable[[], object], device: torch.device = torch.device('cpu')) -> int:
-    """Peak bytes that ``fn()`` adds on top of what is already allocated.
+class TensorMemory(TorchDispatchMode):
+    """Bytes of tensor storage created inside this context and still alive, and their peak: on the
+    CPU the quantity ``torch.cuda.max_memory_allocated`` reports on a GPU (what the tensors need, not
+    what the allocator happens to hold), counted exactly and the same on every run."""
 
-    GPU: the CUDA allocator's peak. CPU: ``fn`` runs in a forked child process and the growth of
-    its peak resident set (``ru_maxrss``) is returned, which counts every allocation, freed or not.
-    """
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):  # storage that existed before (parameters, inputs)
+            if isinstance(t, torch.Tensor) and t.device.type != 'meta':
+                self._seen.setdefault(t.untyped_storage(), False)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != 'meta':
+                storage = t.untyped_storage()
+                if storage not in self._seen:
+                    self._seen[storage] = True
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, storage.nbytes())
+        return out
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device = torch.device('cpu')) -> int:
+    """Peak bytes of tensors that ``fn()`` allocates on top of what is already allocated (gradients
+    and the activations saved for backward included): the CUDA allocator's peak on a GPU, a
+    `TensorMemory` count on the CPU."""
     gc.collect()
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
@@ -77,21 +108,9 @@ def peak_memory(fn: Callable[[], object], device: torch.device = torch.device('c
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
-    ctx = mp.get_context('fork')
-    queue = ctx.Queue()
-
-    def child() -> None:
-        # the OpenMP thread pool does not survive fork(): a parallel region in the child would deadlock
-        torch.set_num_threads(1)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with TensorMemory() as tracker:
         fn()
-        queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
-
-    proc = ctx.Process(target=child)
-    proc.start()
-    result = queue.get()
-    proc.join()
-    return result
+    return tracker.peak
 
 
 def eval_step(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:

@@ -40,6 +40,7 @@ ENCODINGS = ['liere', 'comrope_ap', 'comrope_ld', 'string_cayley', 'string_circu
 BASELINE_SPECS = ['comrope_ld', 'comrope_ap:block=8', 'liere']
 # fixed-frequency RoPE: the cost any q/k rotation has (attention keeps the rotated q and k for backward)
 REFERENCE = 'rope_axial'
+FOLDED = 'string_cayley folded (eval)'
 TARGETS = {'eval': 1.05, 'train': 1.15, 'memory': 1.10}
 
 
@@ -121,8 +122,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument('--encodings', default=','.join(ENCODINGS), help='comma-separated encoding specs')
     parser.add_argument('--threads', type=int, default=None,
                         help="torch threads (default: torch's); 1 gives steadier ratios on a shared machine")
+    parser.add_argument('--clock', default='wall', choices=['wall', 'process'],
+                        help="'process': CPU time of this process (with --threads 1 on a machine shared with other jobs)")
+    parser.add_argument('--rounds', type=int, default=None, help='train-step rounds (default 3; eval gets 5)')
     parser.add_argument('--quick', action='store_true', help='fewer rounds (noisier)')
     parser.add_argument('--no-memory', action='store_true', help='skip the peak-memory measurement')
+    parser.add_argument('--no-train', action='store_true', help='skip the train-step timing')
     parser.add_argument('--no-baseline', action='store_true', help='skip the dense per-sample baseline')
     parser.add_argument('--no-reference', action='store_true', help=f'skip the {REFERENCE} reference row')
     parser.add_argument('--baseline-train', action='store_true', help='also time the baseline train step (slow)')
@@ -130,11 +135,13 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rounds_eval, rounds_train = (2, 1) if args.quick else (5, 3)
+    rounds_eval, rounds_train = (2, 1) if args.quick else (5, args.rounds or 3)
+    rounds_eval = max(rounds_eval, rounds_train)
     specs = [s for s in args.encodings.split(',') if s]
     baseline_specs = [] if args.no_baseline else BASELINE_SPECS
     print(f'{args.model}, {args.img}px, batch {args.batch}, CPU, torch {torch.__version__}, '
-          f'{torch.get_num_threads()} threads; rounds: eval {rounds_eval}, train {rounds_train}', flush=True)
+          f'{torch.get_num_threads()} threads, {args.clock} clock; rounds: eval {rounds_eval}, train {rounds_train}',
+          flush=True)
 
     x = torch.randn(args.batch, 3, args.img, args.img)
     y = torch.randint(0, 1000, (args.batch,))
@@ -148,21 +155,29 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f'  peak memory {name}: {memory[name] / 2 ** 20:.0f} MiB', flush=True)
 
     evals = {name: eval_fn(m, x) for name, m in models.items()}
-    t_eval = compare(evals, rounds=rounds_eval, per_round=1, warmup=1)
+    if 'string_cayley' in specs:  # the inference path: P folded into the q/k projections
+        folded = make_model(args.model, 'string_cayley', args.img).eval()
+        folded.pe.fold_into(folded)
+        evals[FOLDED] = eval_fn(folded, x)
+    t_eval = compare(evals, rounds=rounds_eval, per_round=1, warmup=1, clock=args.clock)
     print('  eval done', flush=True)
-    steps = {name: train_step_fn(m, x, y) for name, m in models.items()}
-    t_train = compare(steps, rounds=rounds_train, per_round=1, warmup=1)
+    t_train: Dict[str, float] = {}
+    if not args.no_train:
+        steps = {name: train_step_fn(m, x, y) for name, m in models.items()}
+        t_train = compare(steps, rounds=rounds_train, per_round=1, warmup=1, clock=args.clock)
 
     rows = [['encoding', 'eval', 'train', 'peak mem', 'eval s', 'train s', 'within targets']]
-    for name in names:
-        ratios = {'eval': t_eval[name] / t_eval['none'], 'train': t_train[name] / t_train['none']}
-        if memory:
+    for name in list(names) + ([FOLDED] if FOLDED in evals else []):
+        ratios = {'eval': t_eval[name] / t_eval['none']}
+        if name in t_train:
+            ratios['train'] = t_train[name] / t_train['none']
+        if name in memory:
             ratios['memory'] = memory[name] / memory['none']
         ok = all(v <= TARGETS[k] for k, v in ratios.items())
         label = f'{name} (reference)' if name == REFERENCE and name not in specs else name
-        rows.append([label, f"{ratios['eval']:.3f}x", f"{ratios['train']:.3f}x",
-                     f"{ratios['memory']:.3f}x" if memory else '-', f'{t_eval[name]:.2f}', f'{t_train[name]:.2f}',
-                     'yes' if ok else 'NO'])
+        rows.append([label] + [f'{ratios[k]:.3f}x' if k in ratios else '-' for k in ('eval', 'train', 'memory')]
+                    + [f'{t_eval[name]:.2f}', f'{t_train[name]:.2f}' if name in t_train else '-',
+                       'yes' if ok else 'NO'])
     print(f"\nratios vs pe='none' (targets: eval <= {TARGETS['eval']}x, train <= {TARGETS['train']}x, "
           f"peak memory <= {TARGETS['memory']}x)")
     print(table(rows), flush=True)
@@ -180,12 +195,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         slow.pe = DensePerSampleBaseline(slow.pe)
         fast_eval, slow_eval = eval_fn(fast, x), eval_fn(slow, x)
         t = compare({'vispe': fast_eval, 'baseline': slow_eval}, rounds=max(1, rounds_eval // 2), per_round=1,
-                    warmup=1)
+                    warmup=1, clock=args.clock)
         diff = (fast_eval() - slow_eval()).abs().max().item()
         row = [spec, f"{t['vispe']:.2f}", f"{t['baseline']:.2f}", f"{t['baseline'] / t['vispe']:.1f}x", f'{diff:.1e}']
         if args.baseline_train:
             tt = compare({'vispe': train_step_fn(fast, x, y), 'baseline': train_step_fn(slow, x, y)},
-                         rounds=rounds_train, per_round=1, warmup=1)
+                         rounds=rounds_train, per_round=1, warmup=1, clock=args.clock)
             row += [f"{tt['vispe']:.2f}", f"{tt['baseline']:.2f}", f"{tt['baseline'] / tt['vispe']:.1f}x"]
         rows.append(row)
         print(f'  {spec} done', flush=True)

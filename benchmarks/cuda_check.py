@@ -1,0 +1,259 @@
+"""CUDA checks of every encoding: flash eligibility, bf16 training, CPU agreement, speed and memory.
+
+Needs a GPU. For each encoding (every registered one plus a few option variants) it reports:
+
+* ``flash``: whether every attention layer's SDPA call runs with the flash backend alone (bf16
+  autocast, eval), next to what the encoding claims (`PositionalEncoding.flash_eligible`); a
+  claim of "yes" that fails is a bug, a "no" that runs is a missed speed-up;
+* ``bf16``: a train step under bf16 autocast gives a finite loss and finite gradients;
+* ``cpu diff``: largest difference between the float32 outputs of the same tiny model on CUDA and
+  on the CPU (TF32 off), relative to the output's scale;
+* eval forward, train step and train-step peak memory as ratios against ``pe='none'``, measured in
+  this process with interleaved rounds (bf16 autocast).
+
+Camera encodings (``gta_multiview``, ``prope``, ``plucker``) run on one multi-view attention layer
+(8 views x 16 x 16 patches) instead of a ViT.
+
+Usage:
+    python benchmarks/cuda_check.py                              # ViT-B/16, 224, batch 64
+    python benchmarks/cuda_check.py --model vit_small --batch 32 --pes liere,irpe:on=qkv
+    python benchmarks/cuda_check.py --compile --pes rope_axial,liere      # ratios of compiled models
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import traceback
+from typing import Callable, Dict, List, Optional, Tuple
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import vispe  # noqa: E402  (registers the ViTs in timm)
+from vispe.attention import PEAttention  # noqa: E402
+from _timing import compare, peak_memory  # noqa: E402
+
+VARIANTS = ['irpe:on=qkv', 'liere:gd=2', 'comrope_ap:block=8']
+
+
+class SDPACounter:
+    """Counts SDPA calls (and the dtypes / head dims they see) while installed."""
+
+    def __init__(self) -> None:
+        self.calls: List[Tuple[torch.dtype, int, bool]] = []
+        self._orig = F.scaled_dot_product_attention
+
+    def __enter__(self) -> 'SDPACounter':
+        def counted(q, k, v, *args, **kwargs):
+            self.calls.append((q.dtype, q.shape[-1], kwargs.get('attn_mask') is not None))
+            return self._orig(q, k, v, *args, **kwargs)
+        F.scaled_dot_product_attention = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        F.scaled_dot_product_attention = self._orig
+
+
+def cameras(views: int, image: int, device: torch.device) -> vispe.Cameras:
+    """Cameras on a circle of radius 3 looking at the origin (OpenCV: z forward, y down)."""
+    angles = torch.arange(views, dtype=torch.float32) * (2 * math.pi / views)
+    c2w = torch.eye(4).repeat(views, 1, 1)
+    c2w[:, 0, 0], c2w[:, 0, 2] = angles.cos(), -angles.sin()
+    c2w[:, 2, 0], c2w[:, 2, 2] = angles.sin(), angles.cos()
+    c2w[:, :3, 3] = -3 * c2w[:, :3, 2]
+    K = torch.tensor([[image * 0.9, 0, image / 2], [0, image * 0.9, image / 2], [0, 0, 1]]).repeat(views, 1, 1)
+    return vispe.Cameras(K.to(device), cam_to_world=c2w.to(device), image_size=(image, image))
+
+
+class CameraHost(torch.nn.Module):
+    """One multi-view attention layer with a camera encoding: ``x (B, N, dim) -> (B, N, dim)``."""
+
+    def __init__(self, spec: str, dim: int, heads: int, pos: vispe.Positions) -> None:
+        super().__init__()
+        self.pe = vispe.create_pe(spec, dim=dim, num_heads=heads, depth=1) if spec != 'none' else None
+        self.attn = PEAttention(dim, heads, qkv_bias=True)
+        self.pos = pos
+        self.depth = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pe is None:
+            return self.attn(x)
+        x = self.pe.embed(x, self.pos)  # Plücker rays are added to the tokens; a no-op for the others
+        return self.attn(x, pe=self.pe, state=self.pe.prepare(self.pos))
+
+
+def build(spec: str, args: argparse.Namespace, device: torch.device, pos: vispe.Positions, model: str
+          ) -> torch.nn.Module:
+    name = spec.split(':')[0].split('+')[0]
+    with torch.device(device):
+        if vispe.pe_info(name)['cls'].requires:
+            return CameraHost(spec, 768, 12, pos)
+        return timm.create_model(model, pe=spec, num_classes=1000)
+
+
+def flash_runs(model: torch.nn.Module, x: torch.Tensor, depth: int) -> str:
+    """'yes' when all ``depth`` attention layers ran SDPA under the flash backend alone."""
+    model.eval()
+    with SDPACounter() as counter, sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.no_grad(), \
+            torch.autocast(x.device.type, dtype=torch.bfloat16):
+        try:
+            model(x)
+        except RuntimeError as e:
+            return f'no ({str(e).splitlines()[0][:60]})'
+    if len(counter.calls) < depth:
+        return f'no (explicit softmax in {depth - len(counter.calls)} of {depth} layers)'
+    return 'yes'
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
+    out = model(x)
+    return F.cross_entropy(out, y) if y is not None else out.float().square().mean()
+
+
+def bf16_step(model: torch.nn.Module, x: torch.Tensor, y: Optional[torch.Tensor]) -> Callable[[], object]:
+    model.train()
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            loss = loss_of(model, x, y)
+        loss.backward()
+        return loss
+    return run
+
+
+def bf16_eval(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    model.eval()
+
+    def run():
+        with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return model(x)
+    return run
+
+
+def bf16_finite(model: torch.nn.Module, x: torch.Tensor, y: Optional[torch.Tensor]) -> str:
+    loss = bf16_step(model, x, y)()
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    if not torch.isfinite(loss):
+        return 'NO (loss not finite)'
+    return f'NO ({len(bad)} grads not finite)' if bad else 'yes'
+
+
+def cpu_agreement(spec: str, device: torch.device, pos_cpu: vispe.Positions, pos: vispe.Positions) -> str:
+    """Relative max difference of one model's float32 output on CUDA and on the CPU."""
+    torch.manual_seed(0)
+    name = spec.split(':')[0].split('+')[0]
+    if vispe.pe_info(name)['cls'].requires:
+        model = CameraHost(spec, 64, 4, pos_cpu).eval()
+        x = torch.randn(2, pos_cpu.num_tokens, 64)
+    else:
+        model = timm.create_model('vit_tiny', pe=spec, num_classes=10).eval()
+        x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        ref = model(x)
+        if isinstance(model, CameraHost):
+            model.pos = pos  # the same cameras, built on the device
+        out = model.to(device)(x.to(device)).cpu()
+    return f'{((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item():.1e}'
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--model', default='vit_base')
+    ap.add_argument('--batch', type=int, default=64)
+    ap.add_argument('--pes', default=None, help='comma-separated specs (default: all registered + variants)')
+    ap.add_argument('--rounds', type=int, default=5)
+    ap.add_argument('--out', default=None, help='also write the table to this file')
+    ap.add_argument('--device', default='cuda', help="'cpu' only to smoke-test this script")
+    ap.add_argument('--compile', action='store_true', help='time torch.compile-d models (the checks stay eager)')
+    args = ap.parse_args(argv)
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        raise SystemExit('cuda_check.py needs a CUDA device')
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    specs = args.pes.split(',') if args.pes else [p for p in vispe.list_pes() if p != 'none'] + VARIANTS
+    print(f'{torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}, torch {torch.__version__}, timm {timm.__version__}; '
+          f'{args.model}, 224px, batch {args.batch}, bf16 autocast', flush=True)
+
+    torch.manual_seed(0)
+    cams_cpu = cameras(8, 256, torch.device('cpu'))
+    pos_cpu = vispe.positions.multiview(cams_cpu, (16, 16))
+    pos = vispe.positions.multiview(cameras(8, 256, device), (16, 16))
+    x_img = torch.randn(args.batch, 3, 224, 224, device=device)
+    y = torch.randint(0, 1000, (args.batch,), device=device)
+    x_mv = torch.randn(4, pos.num_tokens, 768, device=device)
+
+    rows: Dict[str, Dict[str, str]] = {}
+    models: Dict[str, torch.nn.Module] = {}
+    for spec in ['none'] + specs:
+        row = rows.setdefault(spec, {})
+        try:
+            model = build(spec, args, device, pos, args.model)
+            camera = isinstance(model, CameraHost)
+            x, target = (x_mv, None) if camera else (x_img, y)
+            depth = model.depth if camera else len(model.blocks)
+            pe = model.pe
+            row['claim'] = 'yes' if pe is None or pe.flash_eligible else 'no'
+            row['flash'] = flash_runs(model, x, depth)
+            row['bf16'] = bf16_finite(model, x, target)
+            row['cpu diff'] = cpu_agreement(spec, device, pos_cpu, pos) if spec != 'none' else '-'
+            models[spec] = model
+        except Exception as e:  # report and go on: one broken encoding must not hide the others
+            row['error'] = f'{type(e).__name__}: {str(e).splitlines()[0][:100]}'
+            traceback.print_exc()
+        print(f'{spec}: {row}', flush=True)
+
+    def timed(names: List[str], camera: bool) -> Dict[str, Dict[str, float]]:
+        base = 'none (camera layer)' if camera else 'none'
+        x, target = (x_mv, None) if camera else (x_img, y)
+        group = {n: models[n] for n in names if n in models}
+        group[base] = models[base]
+        t_eval = compare({n: bf16_eval(m, x) for n, m in group.items()}, rounds=args.rounds, device=device)
+        t_train = compare({n: bf16_step(m, x, target) for n, m in group.items()}, rounds=args.rounds, device=device)
+        mem = {n: peak_memory(bf16_step(m, x, target), device) for n, m in group.items()}
+        return {n: dict(eval=t_eval[n] / t_eval[base], train=t_train[n] / t_train[base], memory=mem[n] / mem[base],
+                        eval_ms=t_eval[n] * 1e3, train_ms=t_train[n] * 1e3) for n in group}
+
+    cam_specs = [s for s in models if isinstance(models[s], CameraHost)]
+    if cam_specs:
+        with torch.device(device):
+            models['none (camera layer)'] = CameraHost('none', 768, 12, pos)
+    if args.compile:
+        models = {name: torch.compile(m) for name, m in models.items()}
+    ratios = timed([s for s in models if s not in cam_specs and s != 'none (camera layer)'], camera=False)
+    if cam_specs:
+        ratios.update(timed(cam_specs, camera=True))
+
+    header = ['encoding', 'flash claim', 'flash runs', 'bf16 train', 'cpu diff', 'eval x', 'train x', 'memory x']
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    for spec, row in rows.items():
+        r = ratios.get(spec)
+        if 'error' in row:
+            cells = [row['error']] + [''] * (len(header) - 2)
+        else:
+            cells = [row['claim'], row['flash'], row['bf16'], row['cpu diff']]
+            cells += [f"{r['eval']:.2f}", f"{r['train']:.2f}", f"{r['memory']:.2f}"] if r else ['-'] * 3
+        lines.append('| ' + ' | '.join([f'`{spec}`'] + cells) + ' |')
+    base = ratios['none']
+    note = f"\nnone: eval {base['eval_ms']:.1f} ms, train {base['train_ms']:.1f} ms ({args.model}, batch {args.batch})"
+    if cam_specs:
+        note += (f"; camera encodings: ratios against one plain attention layer on the same tokens "
+                 f"({ratios['none (camera layer)']['train_ms']:.1f} ms train)")
+    lines.append(note + ('; timed compiled (torch.compile)' if args.compile else ''))
+    text = '\n'.join(lines)
+    print('\n' + text, flush=True)
+    if args.out:
+        with open(args.out, 'w') as f:
+            f.write(text + '\n')
+
+
+if __name__ == '__main__':
+    main()
