@@ -185,16 +185,18 @@ def _linear_exp_blocks(gen: torch.Tensor, coords: torch.Tensor, squarings: int, 
     coef = (coords.unsqueeze(-2) ** exponents).prod(-1) * scale  # ([B,] N, K)
     sums = _word_sums(gen, degree)  # (K, L', H', nb, b, b)
     k, layers, heads, nb, b = sums.shape[:5]
-    flat = sums.reshape(k, layers, heads, -1).permute(1, 2, 0, 3)  # (L', H', K, nb b b)
-    if coords.dim() == 3:  # (B, 1, N, K) x (L', 1, H', K, F) -> (L', B, H', N, F)
-        y = torch.matmul(coef.unsqueeze(1), flat.unsqueeze(1))
-    else:  # (N, K) x (L', H', K, F) -> (L', H', N, F)
+    flat = sums.movedim(0, 1).reshape(layers, k, -1)  # (L', K, H' nb b b)
+    if coords.dim() == 3:  # (B, N, K) x (L', 1, K, F) -> (L', B, N, F)
+        y = torch.matmul(coef, flat.unsqueeze(1))
+    else:  # (N, K) x (L', K, F) -> (L', N, F)
         y = torch.matmul(coef, flat)
-    shape = y.shape[:-1] + (nb, b, b)
+    shape = y.shape[:-1] + (heads, nb, b, b)
     y = y.reshape(-1, b, b)
     for _ in range(squarings):
         y = torch.bmm(y, y)
-    return y.reshape(shape)
+    # (L', [B,] H', N, nb, b, b) laid out position-major, as q and k lie in attention, so that
+    # `rotary.rotate_blocks` multiplies views of both without copying either
+    return y.reshape(shape).movedim(-5, -4)
 
 
 def _poly_degree(num_axes: int) -> int:
@@ -251,14 +253,18 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) 
 
 def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:
     """Prepend identity rotations for ``num_prefix`` prefix tokens: identity ``b x b`` blocks for kind
-    ``block`` (``(..., N, nb, b, b)``), zero angles otherwise (``(..., N, P)``)."""
+    ``block`` (``(..., N, nb, b, b)``, keeping ``rot``'s memory layout), zero angles otherwise
+    (``(..., N, P)``)."""
     if num_prefix == 0:
         return rot
     if kind == 'block':
-        eye = torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device)
         shape = list(rot.shape)
-        shape[-4] = num_prefix
-        return torch.cat([eye.expand(shape), rot], dim=-4)
+        shape[-4] += num_prefix
+        order = sorted(range(rot.dim()), key=lambda d: -rot.stride(d))  # rot's memory order
+        out = rot.new_empty([shape[d] for d in order]).permute(*sorted(range(rot.dim()), key=order.__getitem__))
+        out.narrow(-4, 0, num_prefix).copy_(torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device))
+        out.narrow(-4, num_prefix, rot.shape[-4]).copy_(rot)
+        return out
     shape = list(rot.shape)
     shape[-2] = num_prefix
     return torch.cat([rot.new_zeros(shape), rot], dim=-2)

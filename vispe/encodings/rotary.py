@@ -145,6 +145,52 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).to(x.dtype)
 
 
+def _blocks_as_matrices(x: torch.Tensor, rot: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, Any]]:
+    """Views for `rotate_blocks`: ``x`` as ``(M, Z, b)`` and ``rot`` as ``(M, b, b)``, or None.
+
+    ``M``: the dims where ``rot`` varies (positions, heads, blocks; per-sample jitter), ordered as
+    they lie in ``x``'s memory; ``Z``: the dims it broadcasts along (batch, the q/k stack). Only
+    views qualify (None otherwise): the point is to feed the batched product without the copies
+    einsum makes of both operands.
+    """
+    nb, b = rot.shape[-3], rot.shape[-1]
+    blocks = x.unflatten(-1, (nb, b))
+    lead = blocks.shape[:-1]
+    rot_lead = (1,) * (len(lead) - (rot.dim() - 2)) + tuple(rot.shape[:-2])
+    if any(r not in (1, n) for r, n in zip(rot_lead, lead)):
+        return None
+    dims = range(len(lead))
+    m = sorted((d for d in dims if rot_lead[d] != 1), key=lambda d: -blocks.stride(d))
+    z = sorted((d for d in dims if rot_lead[d] == 1 and lead[d] != 1), key=lambda d: -blocks.stride(d))
+    order = [d for d in dims if d not in m and d not in z] + m + z
+    num_m = math.prod(lead[d] for d in m)
+    try:
+        xm = blocks.permute(*order, -1).view(num_m, -1, b)
+        rm = rot.reshape(rot_lead + (b, b)).permute(*order, -2, -1).view(num_m, b, b)
+    except RuntimeError:  # not expressible as views: einsum handles it
+        return None
+    return xm, rm, order
+
+
+def rotate_blocks(x: torch.Tensor, rot: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """`apply_block_rotation` (``rot^T`` with ``transpose``) as one batched product on views of ``x``
+    and ``rot`` when their layouts allow it (the learned rotations lay ``rot`` out to match q and k),
+    the result in ``x``'s memory layout; einsum otherwise."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    views = _blocks_as_matrices(x, rot) if x.dtype == ct and rot.dtype == ct else None
+    if views is None:
+        return apply_block_rotation(x, rot.transpose(-1, -2) if transpose else rot)
+    xm, rm, order = views
+    out = torch.bmm(xm, rm if transpose else rm.transpose(1, 2))  # (M, Z, b): row z is (R x_z)^T
+    result = torch.empty_like(x)
+    target = result.unflatten(-1, (rot.shape[-3], rot.shape[-1])).permute(*order, -1)
+    try:
+        target.view(out.shape).copy_(out)
+    except RuntimeError:  # x was not dense: no view of a fresh tensor laid out like it
+        return apply_block_rotation(x, rot.transpose(-1, -2) if transpose else rot)
+    return result
+
+
 def block_rotation_grad(grad: torch.Tensor, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """Gradient of ``<grad, apply_block_rotation(x, rot)>`` with respect to ``rot``: per block the
     outer product ``grad_i x_j``, summed over the dims ``rot`` broadcasts along (one einsum, no
@@ -196,8 +242,8 @@ _KERNELS: Dict[str, RotationKind] = {
                           lambda y, table, block: apply_pair_rotation(y, table.reciprocal())),
     'pair': RotationKind(lambda x, angle, block: apply_pair_rotation(x, rotation_table(angle)),
                          lambda y, angle, block: apply_pair_rotation(y, rotation_table(-angle))),
-    'block': RotationKind(lambda x, rot, block: apply_block_rotation(x, rot),
-                          lambda y, rot, block: apply_block_rotation(y, rot.transpose(-1, -2)),
+    'block': RotationKind(lambda x, rot, block: rotate_blocks(x, rot),
+                          lambda y, rot, block: rotate_blocks(y, rot, transpose=True),
                           param_grads=lambda grad, x, rot, block: (block_rotation_grad(grad, x, rot),)),
     'fourier': RotationKind(lambda x, angle, block: fourier_rotation(x, rotation_table(angle), block),
                             lambda y, angle, block: fourier_rotation(y, rotation_table(-angle), block)),

@@ -1,0 +1,45 @@
+"""The benchmark helpers measure what they claim (the scripts' figures rest on them)."""
+import torch
+
+from benchmarks._timing import TensorMemory, peak_memory, train_step
+
+
+def test_tensor_memory_counts_new_storage_once_and_frees_it():
+    before = torch.zeros(1000)  # allocated outside: never counted, nor its views
+    with TensorMemory() as mem:
+        a = torch.empty(256, dtype=torch.float32)  # 1 KiB
+        view = before[:10] * 1  # a new 40-byte tensor; the slice itself is a view of `before`
+        b = a.view(16, 16)  # a view: no new storage
+        assert mem.live == 1024 + 40
+        del a, b
+        c = torch.empty(128, dtype=torch.float64)  # 1 KiB again, after the first was freed
+        assert mem.live == 40 + 1024
+    assert mem.peak == 1024 + 40
+    del view, c
+
+
+def test_peak_memory_of_a_train_step_counts_gradients_and_activations():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    hidden = 32 * 256 * 4  # the activation the second layer saves for backward
+    peak = peak_memory(train_step(model, x, y))
+    assert grads + hidden <= peak <= grads + 4 * hidden + 32 * 10 * 4 * 4
+
+
+def test_rotation_overhead_runs_and_checks_the_dense_baseline(capsys):
+    from benchmarks.rotation_overhead import main
+    main(['--model', 'vit_tiny', '--batch', '2', '--img', '32', '--quick', '--encodings', 'liere,comrope_ld'])
+    out = capsys.readouterr().out
+    assert 'string_cayley' not in out.split('BASELINE')[0].split('ratios')[1]  # only what was asked
+    for spec in ('liere', 'comrope_ld'):
+        row = next(line for line in out.split('BASELINE')[1].splitlines() if line.startswith(spec))
+        assert float(row.split()[-1]) < 1e-4  # the dense per-sample baseline computes the same function
+
+
+def test_cuda_check_smoke_runs_on_the_cpu(capsys):
+    from benchmarks.cuda_check import main
+    main(['--device', 'cpu', '--model', 'vit_tiny', '--batch', '1', '--rounds', '1', '--pes', 'rope_axial,alibi2d'])
+    out = capsys.readouterr().out
+    assert '| `rope_axial` | yes | yes | yes |' in out
+    assert '| `alibi2d` | no |' in out  # a bias encoding claims no flash
