@@ -25,6 +25,7 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
 from _timing import compare, eval_step, peak_memory, train_step  # noqa: E402
 
 import vispe  # noqa: E402  (also registers the models in timm)

@@ -30,6 +30,7 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
 from _timing import compare, eval_step, train_step  # noqa: E402
 
 import vispe  # noqa: E402

@@ -27,6 +27,7 @@ from typing import List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
 from vispe import multimodal as mm  # noqa: E402
 from _timing import compare, time_fn  # noqa: E402
 

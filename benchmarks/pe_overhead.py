@@ -21,6 +21,7 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
 import vispe  # noqa: E402
 from _timing import compare, eval_step, peak_memory, train_step  # noqa: E402
 
