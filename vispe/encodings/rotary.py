@@ -149,7 +149,7 @@ def _blocks_as_matrices(x: torch.Tensor, rot: torch.Tensor) -> Optional[Tuple[to
     """Views for `rotate_blocks`: ``x`` as ``(M, Z, b)`` and ``rot`` as ``(M, b, b)``, or None.
 
     ``M``: the dims where ``rot`` varies (positions, heads, blocks; per-sample jitter), ordered as
-    they lie in ``x``'s memory; ``Z``: the dims it broadcasts along (batch, the q/k stack). Only
+    they lie in ``rot``'s memory; ``Z``: the dims it broadcasts along (batch, the q/k stack). Only
     views qualify (None otherwise): the point is to feed the batched product without the copies
     einsum makes of both operands.
     """
@@ -160,13 +160,14 @@ def _blocks_as_matrices(x: torch.Tensor, rot: torch.Tensor) -> Optional[Tuple[to
     if any(r not in (1, n) for r, n in zip(rot_lead, lead)):
         return None
     dims = range(len(lead))
-    m = sorted((d for d in dims if rot_lead[d] != 1), key=lambda d: -blocks.stride(d))
+    aligned = rot.reshape(rot_lead + (b, b))
+    m = sorted((d for d in dims if rot_lead[d] != 1), key=lambda d: -aligned.stride(d))
     z = sorted((d for d in dims if rot_lead[d] == 1 and lead[d] != 1), key=lambda d: -blocks.stride(d))
     order = [d for d in dims if d not in m and d not in z] + m + z
     num_m = math.prod(lead[d] for d in m)
     try:
         xm = blocks.permute(*order, -1).view(num_m, -1, b)
-        rm = rot.reshape(rot_lead + (b, b)).permute(*order, -2, -1).view(num_m, b, b)
+        rm = aligned.permute(*order, -2, -1).view(num_m, b, b)
     except RuntimeError:  # not expressible as views: einsum handles it
         return None
     return xm, rm, order
