@@ -43,3 +43,11 @@ def test_cuda_check_smoke_runs_on_the_cpu(capsys):
     out = capsys.readouterr().out
     assert '| `rope_axial` | yes | yes | yes |' in out
     assert '| `alibi2d` | no |' in out  # a bias encoding claims no flash
+
+
+def test_profile_step_reports_each_encoding_against_no_encoding(capsys):
+    from benchmarks.profile_step import main
+    main(['--model', 'vit_tiny', '--batch', '1', '--img', '32', '--pes', 'liere', '--rows', '3'])
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith('== ')]
+    assert [h.split(':')[0] for h in heads] == ['== none', '== liere']
+    assert all('host syncs' in h for h in heads)
