@@ -17,3 +17,42 @@ def image_pes():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def assert_tiny_vit_trains_and_runs_larger(spec: str) -> None:
+    """A tiny ViT with encoding ``spec``: finite output and a backward pass at the training size, and
+    an eval forward on a larger, non-square input (positions beyond the training grid)."""
+    import timm
+    model = timm.create_model('vit_tiny', pe=spec, **TINY)
+    out = model(torch.randn(2, 3, 32, 32))
+    out.sum().backward()
+    assert out.shape == (2, TINY['num_classes']) and torch.isfinite(out).all()
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 48, 40)).shape == (1, TINY['num_classes'])
+
+
+# ------------------------------------------------------------------ random cameras (float64)
+def random_poses(n: int, generator: torch.Generator, scale: float = 3.0) -> torch.Tensor:
+    """``n`` random rigid transforms ``(n, 4, 4)``: proper rotations (QR of a Gaussian, the sign
+    flipped where the determinant is negative) and translations ``scale * N(0, 1)``."""
+    Q = torch.linalg.qr(torch.randn(n, 3, 3, dtype=torch.float64, generator=generator)).Q
+    T = torch.eye(4, dtype=torch.float64).repeat(n, 1, 1)
+    T[:, :3, :3] = Q * torch.linalg.det(Q).sign()[:, None, None]
+    T[:, :3, 3] = scale * torch.randn(n, 3, dtype=torch.float64, generator=generator)
+    return T
+
+
+def random_intrinsics(n: int, generator: torch.Generator, size=(24, 32), skew: bool = False) -> torch.Tensor:
+    """``n`` pinhole intrinsics ``(n, 3, 3)`` for ``size = (H, W)`` pixel images: focal lengths within
+    +-20 % of the image size, principal points near the centre, optionally a skew term."""
+    H, W = size
+    K = torch.zeros(n, 3, 3, dtype=torch.float64)
+    K[:, 0, 0] = W * (0.8 + 0.4 * torch.rand(n, dtype=torch.float64, generator=generator))
+    K[:, 1, 1] = H * (0.8 + 0.4 * torch.rand(n, dtype=torch.float64, generator=generator))
+    K[:, 0, 2] = W / 2 + torch.randn(n, dtype=torch.float64, generator=generator)
+    K[:, 1, 2] = H / 2 + torch.randn(n, dtype=torch.float64, generator=generator)
+    if skew:
+        K[:, 0, 1] = 0.3 * torch.randn(n, dtype=torch.float64, generator=generator)
+    K[:, 2, 2] = 1
+    return K

@@ -6,35 +6,9 @@ import torch
 
 import vispe
 from vispe.cameras import Cameras, plucker_rays
+from conftest import random_intrinsics, random_poses
 
 DT = torch.float64
-
-
-def random_rotations(n: int, generator: torch.Generator) -> torch.Tensor:
-    Q, R = torch.linalg.qr(torch.randn(n, 3, 3, dtype=DT, generator=generator))
-    Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))[:, None, :]
-    Q[torch.linalg.det(Q) < 0, :, 0] *= -1  # proper rotations only
-    return Q
-
-
-def random_poses(n: int, generator: torch.Generator, scale: float = 3.0) -> torch.Tensor:
-    T = torch.eye(4, dtype=DT).repeat(n, 1, 1)
-    T[:, :3, :3] = random_rotations(n, generator)
-    T[:, :3, 3] = torch.randn(n, 3, dtype=DT, generator=generator) * scale
-    return T
-
-
-def random_intrinsics(n: int, generator: torch.Generator, size=(24, 32), skew: bool = False) -> torch.Tensor:
-    H, W = size
-    K = torch.zeros(n, 3, 3, dtype=DT)
-    K[:, 0, 0] = W * (0.8 + 0.4 * torch.rand(n, dtype=DT, generator=generator))
-    K[:, 1, 1] = H * (0.8 + 0.4 * torch.rand(n, dtype=DT, generator=generator))
-    K[:, 0, 2] = W / 2 + torch.randn(n, dtype=DT, generator=generator)
-    K[:, 1, 2] = H / 2 + torch.randn(n, dtype=DT, generator=generator)
-    if skew:
-        K[:, 0, 1] = 0.3 * torch.randn(n, dtype=DT, generator=generator)
-    K[:, 2, 2] = 1
-    return K
 
 
 def encodings_md_camera() -> Cameras:

@@ -5,7 +5,7 @@ import torch
 
 import vispe
 from vispe.encodings._lie import linear_exp
-from conftest import TINY
+from conftest import TINY, assert_tiny_vit_trains_and_runs_larger
 
 VARIANTS = ['comrope_ap', 'comrope_ld']
 
@@ -173,13 +173,7 @@ def test_every_comrope_layer_receives_gradient_in_a_tiny_vit(name):
 @pytest.mark.parametrize('spec', ['comrope_ap', 'comrope_ld', 'comrope_ap:block=8', 'comrope_ld:block=4',
                                   'comrope_ld:prefix=identity,jitter=0,normalize=train,per_layer=false'])
 def test_comrope_tiny_vit_forward_backward(spec):
-    model = timm.create_model('vit_tiny', pe=spec, **TINY)
-    out = model(torch.randn(2, 3, 32, 32))
-    out.sum().backward()
-    assert out.shape == (2, TINY['num_classes']) and torch.isfinite(out).all()
-    model.eval()
-    with torch.no_grad():
-        assert model(torch.randn(1, 3, 48, 40)).shape == (1, TINY['num_classes'])
+    assert_tiny_vit_trains_and_runs_larger(spec)
 
 
 @pytest.mark.parametrize('name', VARIANTS)

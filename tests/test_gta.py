@@ -6,26 +6,9 @@ import torch
 import vispe
 from vispe.attention import pe_attention
 from vispe.cameras import Cameras
+from conftest import random_intrinsics, random_poses
 
 DT = torch.float64
-
-
-def random_poses(n: int, g: torch.Generator, scale: float = 3.0) -> torch.Tensor:
-    """Random rigid transforms (proper rotations: for 3x3, negating flips the determinant)."""
-    Q = torch.linalg.qr(torch.randn(n, 3, 3, dtype=DT, generator=g)).Q
-    T = torch.eye(4, dtype=DT).repeat(n, 1, 1)
-    T[:, :3, :3] = Q * torch.linalg.det(Q).sign()[:, None, None]
-    T[:, :3, 3] = scale * torch.randn(n, 3, dtype=DT, generator=g)
-    return T
-
-
-def random_intrinsics(n: int, g: torch.Generator, size) -> torch.Tensor:
-    H, W = size
-    K = torch.zeros(n, 3, 3, dtype=DT)
-    K[:, 0, 0], K[:, 1, 1] = W * (0.8 + 0.4 * torch.rand(n, dtype=DT, generator=g)), 1.1 * H
-    K[:, 0, 2], K[:, 1, 2] = W / 2 + torch.randn(n, dtype=DT, generator=g), H / 2 + 0.5
-    K[:, 2, 2] = 1
-    return K
 
 
 def hand_gta_rotate(x: torch.Tensor, coords: torch.Tensor, num_prefix: int, inverse: bool = False) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 import vispe
 from vispe.encodings._lie import expm_skew
 from vispe.encodings.rotary import apply_block_rotation, apply_pair_rotation, fourier_rotation, orthogonal_map
-from conftest import TINY
+from conftest import TINY, assert_tiny_vit_trains_and_runs_larger
 
 
 def _pe(axes=2, depth=2, heads=2, head_dim=16, **kw):
@@ -223,13 +223,7 @@ def test_every_liere_layer_receives_gradient_in_a_tiny_vit():
 
 @pytest.mark.parametrize('spec', ['liere', 'liere:gd=2', 'liere:gd=4,per_layer=false,per_head=false'])
 def test_liere_tiny_vit_forward_backward(spec):
-    model = timm.create_model('vit_tiny', pe=spec, **TINY)
-    out = model(torch.randn(2, 3, 32, 32))
-    out.sum().backward()
-    assert out.shape == (2, TINY['num_classes']) and torch.isfinite(out).all()
-    model.eval()
-    with torch.no_grad():  # a larger input: linspace positions extend beyond 1
-        assert model(torch.randn(1, 3, 48, 40)).shape == (1, TINY['num_classes'])
+    assert_tiny_vit_trains_and_runs_larger(spec)
 
 
 def test_liere_video_and_point_positions():

@@ -5,30 +5,16 @@ import torch
 import vispe
 from vispe.attention import pe_attention
 from vispe.cameras import Cameras
+from conftest import random_intrinsics, random_poses
 
 DT = torch.float64
 H_IMG, W_IMG = 16, 24  # pixels; a 2 x 3 grid of 8-pixel patches
 GRID = (2, 3)
 
 
-def random_poses(n: int, g: torch.Generator, scale: float = 3.0) -> torch.Tensor:
-    """Random rigid transforms (proper rotations: for 3x3, negating flips the determinant)."""
-    Q = torch.linalg.qr(torch.randn(n, 3, 3, dtype=DT, generator=g)).Q
-    T = torch.eye(4, dtype=DT).repeat(n, 1, 1)
-    T[:, :3, :3] = Q * torch.linalg.det(Q).sign()[:, None, None]
-    T[:, :3, 3] = scale * torch.randn(n, 3, dtype=DT, generator=g)
-    return T
-
-
 def random_cameras(views: int, g: torch.Generator, batch: int = 0, intrinsics: bool = True) -> Cameras:
     n = views * max(batch, 1)
-    K = torch.zeros(n, 3, 3, dtype=DT)
-    K[:, 0, 0] = W_IMG * (0.8 + 0.4 * torch.rand(n, dtype=DT, generator=g))
-    K[:, 1, 1] = H_IMG * (0.8 + 0.4 * torch.rand(n, dtype=DT, generator=g))
-    K[:, 0, 1] = 0.2 * torch.randn(n, dtype=DT, generator=g)  # skew: the inverse must be a true inverse
-    K[:, 0, 2] = W_IMG / 2 + torch.randn(n, dtype=DT, generator=g)
-    K[:, 1, 2] = H_IMG / 2 + torch.randn(n, dtype=DT, generator=g)
-    K[:, 2, 2] = 1
+    K = random_intrinsics(n, g, (H_IMG, W_IMG), skew=True)  # skew: the inverse must be a true inverse
     shape = (batch, views) if batch else (views,)
     return Cameras(K.reshape(*shape, 3, 3) if intrinsics else None,
                    cam_to_world=random_poses(n, g).reshape(*shape, 4, 4), image_size=(H_IMG, W_IMG))

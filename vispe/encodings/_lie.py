@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -36,7 +36,7 @@ from .rotary import compute_dtype, rotate_qk
 
 __all__ = [
     'expm_skew', 'skew', 'skew_from_upper', 'axis_sum', 'linear_exp', 'layerwise_exp', 'pad_identity',
-    'resolve_num_axes', 'token_grid', 'check_axes',
+    'token_grid', 'check_axes',
     'LazyRotations', 'RotationPE', 'Rotations',
 ]
 
@@ -268,15 +268,6 @@ def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:
     shape = list(rot.shape)
     shape[-2] = num_prefix
     return torch.cat([rot.new_zeros(shape), rot], dim=-2)
-
-
-def resolve_num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
-    """Coordinate axes D: the option, else the host grid's, else 2."""
-    if num_axes is not None:
-        if num_axes < 1:
-            raise ValueError(f'option num_axes of encoding {name!r} must be >= 1, got {num_axes}')
-        return num_axes
-    return len(ctx.grid_size) if ctx.grid_size else 2
 
 
 def token_grid(pos: Positions) -> Optional[Tuple[int, ...]]:

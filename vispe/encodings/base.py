@@ -18,7 +18,7 @@ from torch import nn
 
 from ..positions import Positions
 
-__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'HOOKS']
+__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'HOOKS', 'resolve_num_axes']
 
 HOOKS = ('embed', 'between_blocks', 'qk', 'bias', 'value', 'output', 'weights_value')
 
@@ -52,6 +52,15 @@ class PEContext:
             object.__setattr__(self, 'head_dim', self.dim // self.num_heads)
         if self.grid_size is not None:
             object.__setattr__(self, 'grid_size', tuple(int(g) for g in self.grid_size))
+
+
+def resolve_num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
+    """Coordinate axes D: the option, else the host grid's, else 2."""
+    if num_axes is not None:
+        if num_axes < 1:
+            raise ValueError(f'option num_axes of encoding {name!r} must be >= 1, got {num_axes}')
+        return num_axes
+    return len(ctx.grid_size) if ctx.grid_size else 2
 
 
 class PositionalEncoding(nn.Module):

@@ -18,9 +18,9 @@ from ..positions import Positions
 from ..registry import register_pe
 from ._lie import (
     Rotations, RotationPE, expm_skew, heads_and_layers, layerwise_exp, pad_identity, require_divisible,
-    resolve_num_axes, skew, token_grid,
+    skew, token_grid,
 )
-from .base import PEContext
+from .base import PEContext, resolve_num_axes
 
 __all__ = ['ComRoPEAP', 'ComRoPELD']
 

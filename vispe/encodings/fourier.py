@@ -16,7 +16,7 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
-from .base import PEContext, PositionalEncoding
+from .base import PEContext, PositionalEncoding, resolve_num_axes
 
 __all__ = ['LearnableFourierFeatures', 'LearnableFourierPE', 'WrInit']
 
@@ -121,7 +121,7 @@ class LearnableFourierPE(PositionalEncoding):
             grid_mode: GridMode = 'index',
     ) -> None:
         super().__init__(ctx)
-        self.num_axes = num_axes or (len(ctx.grid_size) if ctx.grid_size else 2)
+        self.num_axes = resolve_num_axes(ctx, num_axes, self.name)
         if self.num_axes % groups:
             raise ValueError(f"option 'groups' of encoding 'fourier_learnable' must divide the {self.num_axes} "
                              f'coordinate axes, got groups={groups}')

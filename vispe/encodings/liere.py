@@ -14,9 +14,9 @@ from torch import nn
 from ..positions import Positions, grid_coordinates
 from ..registry import register_pe
 from ._lie import (
-    Rotations, RotationPE, check_axes, heads_and_layers, layerwise_exp, resolve_num_axes, skew_from_upper, token_grid,
+    Rotations, RotationPE, check_axes, heads_and_layers, layerwise_exp, skew_from_upper, token_grid,
 )
-from .base import PEContext
+from .base import PEContext, resolve_num_axes
 
 __all__ = ['LieRE']
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
-from .base import PEContext, PositionalEncoding
+from .base import PEContext, PositionalEncoding, resolve_num_axes
 
 __all__ = ['PaPE', 'PaPERI', 'pape_coordinates']
 
@@ -69,12 +69,12 @@ class _Parabolic(PositionalEncoding):
     needs_tokens = True
     changes_head_dim = True
 
-    def __init__(self, ctx: PEContext, num_axes: Optional[int], start: float, grid_mode: GridMode,
+    def __init__(self, ctx: PEContext, num_axes: int, start: float, grid_mode: GridMode,
                  bias_scale: BiasScale, pad_to_multiple: int, extra: int) -> None:
         super().__init__(ctx)
         if pad_to_multiple < 1:
             raise ValueError(f"option 'pad_to_multiple' of encoding {self.name!r} must be >= 1, got {pad_to_multiple}")
-        self.num_axes = num_axes or (len(ctx.grid_size) if ctx.grid_size else 2)
+        self.num_axes = num_axes
         self.start = start
         self.grid_mode = grid_mode
         self.bias_scale = bias_scale
@@ -191,7 +191,7 @@ class PaPE(_Parabolic):
             bias_scale: BiasScale = 'logit',
             pad_to_multiple: int = 8,
     ) -> None:
-        axes = num_axes or (len(ctx.grid_size) if ctx.grid_size else 2)
+        axes = resolve_num_axes(ctx, num_axes, self.name)
         super().__init__(ctx, axes, start, grid_mode, bias_scale, pad_to_multiple,
                          extra=1 + axes + len(_pairs(axes)))
         if parabolas < 1:
@@ -271,7 +271,7 @@ class PaPERI(_Parabolic):
             bias_scale: BiasScale = 'logit',
             pad_to_multiple: int = 8,
     ) -> None:
-        axes = num_axes or (len(ctx.grid_size) if ctx.grid_size else 2)
+        axes = resolve_num_axes(ctx, num_axes, self.name)
         super().__init__(ctx, axes, start, grid_mode, bias_scale, pad_to_multiple, extra=axes + 2)
         L, H = ctx.depth, ctx.num_heads
         bound = math.sqrt(1.0 / self.num_axes)

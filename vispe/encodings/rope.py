@@ -16,7 +16,7 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
-from .base import PEContext, PositionalEncoding
+from .base import PEContext, PositionalEncoding, resolve_num_axes
 from .rotary import (
     FrequencyScaling, axial_frequencies, compute_dtype, pad_prefix, rotate_qk, rotation_table, scale_frequencies,
 )
@@ -172,7 +172,7 @@ class RopeMixed(PairRotaryPE):
         if ctx.head_dim % 4:
             raise ValueError(f"encoding 'rope_mixed' needs head_dim divisible by 4 (two halves of pairs), "
                              f"got head_dim={ctx.head_dim}")
-        self.num_axes = num_axes or (len(ctx.grid_size) if ctx.grid_size else 2)
+        self.num_axes = resolve_num_axes(ctx, num_axes, self.name)
         self.theta = theta
         self.scaling = scaling
         self.scaling_factor = scaling_factor

@@ -16,10 +16,9 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ._lie import (
-    RotationPE, axis_sum, check_axes, heads_and_layers, pad_identity, require_divisible, resolve_num_axes,
-    skew_from_upper,
+    RotationPE, axis_sum, check_axes, heads_and_layers, pad_identity, require_divisible, skew_from_upper,
 )
-from .base import PEContext, PositionalEncoding
+from .base import PEContext, PositionalEncoding, resolve_num_axes
 from .rope import RopeMixed
 from .rotary import compute_dtype, rotate_qk
 
