@@ -56,3 +56,16 @@ def random_intrinsics(n: int, generator: torch.Generator, size=(24, 32), skew: b
         K[:, 0, 1] = 0.3 * torch.randn(n, dtype=torch.float64, generator=generator)
     K[:, 2, 2] = 1
     return K
+
+
+# ------------------------------------------------------------------ q/k rotation helpers (float64)
+def random_qk(n: int, heads: int = 2, head_dim: int = 16, batch: int = 2):
+    """Random float64 ``q, k`` of shape ``(batch, heads, n, head_dim)``."""
+    return (torch.randn(batch, heads, n, head_dim, dtype=torch.float64),
+            torch.randn(batch, heads, n, head_dim, dtype=torch.float64))
+
+
+def rotated_logits(pe, pos, q, k, layer: int = 1) -> torch.Tensor:
+    """``q^T k`` after ``pe``'s q/k hook at ``pos`` (self-attention), in layer ``layer``."""
+    q2, k2 = pe.qk(q, k, pe.prepare(pos), layer=layer)
+    return q2 @ k2.transpose(-2, -1)

@@ -5,7 +5,7 @@ import torch
 
 import vispe
 from vispe.encodings._lie import linear_exp
-from conftest import TINY, assert_tiny_vit_trains_and_runs_larger
+from conftest import TINY, assert_tiny_vit_trains_and_runs_larger, random_qk, rotated_logits
 
 VARIANTS = ['comrope_ap', 'comrope_ld']
 
@@ -15,16 +15,6 @@ def _pe(name, axes=2, block=2, depth=2, heads=2, head_dim=16, **kw):
                            num_prefix_tokens=1, block=block, **kw).double()
 
 
-def _qk(n, heads=2, head_dim=16, batch=2):
-    return (torch.randn(batch, heads, n, head_dim, dtype=torch.float64),
-            torch.randn(batch, heads, n, head_dim, dtype=torch.float64))
-
-
-def _logits(pe, pos, q, k, layer=1):
-    q2, k2 = pe.qk(q, k, pe.prepare(pos), layer=layer)
-    return q2 @ k2.transpose(-2, -1)
-
-
 @pytest.mark.parametrize('name', VARIANTS)
 @pytest.mark.parametrize('axes', [2, 3])
 @pytest.mark.parametrize('block', [2, 4])
@@ -32,12 +22,12 @@ def test_comrope_is_shift_invariant(name, axes, block):
     pe = _pe(name, axes, block)
     coords = torch.rand(9, axes, dtype=torch.float64) * 3
     shift = torch.randn(axes, dtype=torch.float64) * 5
-    q, k = _qk(10)
-    a = _logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = _logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
+    q, k = random_qk(10)
+    a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
+    b = rotated_logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
     # every logit, class token included: it sits at the points' mean, which shifts with them
     torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    c = _logits(pe, vispe.points(coords * 1.5, num_prefix=1), q, k)
+    c = rotated_logits(pe, vispe.points(coords * 1.5, num_prefix=1), q, k)
     assert (a - c).abs().max() > 1e-3
 
 
@@ -46,7 +36,7 @@ def test_comrope_is_shift_invariant(name, axes, block):
 def test_comrope_rotation_is_orthogonal(name, block):
     pe = _pe(name, block=block)
     pos = vispe.grid(4, 4, num_prefix=1)
-    q, _ = _qk(17)
+    q, _ = random_qk(17)
     q2, k2 = pe.qk(q, q, pe.prepare(pos), layer=1)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
     torch.testing.assert_close((q2 * k2).sum(-1), (q * q).sum(-1))
@@ -95,7 +85,7 @@ def test_comrope_block2_equals_rope_mixed_with_mapped_frequencies(name):
         rope.freqs.copy_(pe.axis_generators(2)[..., 1, 0].flip(0))
     coords = torch.rand(7, 2, dtype=torch.float64) * 4
     pos = vispe.points(coords, num_prefix=1)
-    q, k = _qk(8)
+    q, k = random_qk(8)
     for layer in range(2):
         qc, kc = pe.qk(q, k, pe.prepare(pos), layer=layer)
         qr, kr = rope.qk(q, k, rope.prepare(pos), layer=layer)
@@ -116,7 +106,7 @@ def test_comrope_positions_are_patch_centres_and_class_token_is_grid_centre(name
     torch.testing.assert_close(coords[0], torch.tensor([0.25, 0.5], dtype=torch.float64))
     torch.testing.assert_close(coords[1:], torch.cartesian_prod(rows / 2, cols))
     # the class token is rotated like a token at the centre; prefix='identity' leaves it alone
-    q, k = _qk(9)
+    q, k = random_qk(9)
     q2, _ = pe.qk(q, k, pe.prepare(vispe.grid(2, 4, num_prefix=1)), layer=0)
     q3, _ = pe.qk(q[:, :, :1], k[:, :, :1], pe.prepare(vispe.points(torch.tensor([[0.5, 0.5]]).double())), 0)
     torch.testing.assert_close(q2[:, :, :1], q3)
@@ -130,7 +120,7 @@ def test_comrope_positions_are_patch_centres_and_class_token_is_grid_centre(name
 def test_comrope_jitter_only_in_training_and_per_sample(name, block):
     pe = _pe(name, block=block, jitter=1.0)
     pos = vispe.grid(4, 4, num_prefix=1)
-    q, k = _qk(17, batch=3)
+    q, k = random_qk(17, batch=3)
     pe.eval()
     with torch.no_grad():
         e1, e2 = pe.qk(q, k, pe.prepare(pos), 0), pe.qk(q, k, pe.prepare(pos), 0)
@@ -181,7 +171,7 @@ def test_comrope_on_video_grids_and_point_clouds(name):
     model = timm.create_model('vit_tiny', pe=f'{name}:block=4', video=True, num_frames=4, tubelet=2, **TINY)
     model(torch.randn(2, 3, 4, 32, 32)).sum().backward()
     pe = _pe(name, axes=3, block=4)
-    q, k = _qk(9)
+    q, k = random_qk(9)
     xyz = torch.randn(2, 8, 3, dtype=torch.float64)  # per-sample point clouds (e.g. RGB-D tokens)
     q2, k2 = pe.qk(q, k, pe.prepare(vispe.points(xyz, num_prefix=1)), 0)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))

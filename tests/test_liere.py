@@ -8,22 +8,12 @@ import torch
 import vispe
 from vispe.encodings._lie import expm_skew
 from vispe.encodings.rotary import apply_block_rotation, apply_pair_rotation, fourier_rotation, orthogonal_map
-from conftest import TINY, assert_tiny_vit_trains_and_runs_larger
+from conftest import TINY, assert_tiny_vit_trains_and_runs_larger, random_qk, rotated_logits
 
 
 def _pe(axes=2, depth=2, heads=2, head_dim=16, **kw):
     return vispe.create_pe('liere', dim=heads * head_dim, num_heads=heads, depth=depth, grid_size=(4,) * axes,
                            num_prefix_tokens=1, **kw).double()
-
-
-def _logits(pe, pos, q, k, layer=1):
-    q2, k2 = pe.qk(q, k, pe.prepare(pos), layer=layer)
-    return q2 @ k2.transpose(-2, -1)
-
-
-def _qk(n, heads=2, head_dim=16, batch=2):
-    return (torch.randn(batch, heads, n, head_dim, dtype=torch.float64),
-            torch.randn(batch, heads, n, head_dim, dtype=torch.float64))
 
 
 @pytest.mark.parametrize('b', [3, 4, 8])
@@ -111,7 +101,7 @@ def test_liere_rotation_is_matrix_exp_of_summed_generators(gd):
 def test_liere_rotation_is_orthogonal(gd, axes):
     pe = _pe(axes, gd=gd)
     pos = vispe.grid(*(3,) * axes, num_prefix=1)
-    q, _ = _qk(pos.num_tokens)
+    q, _ = random_qk(pos.num_tokens)
     q2, k2 = pe.qk(q, q, pe.prepare(pos), layer=1)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
     torch.testing.assert_close((q2 * k2).sum(-1), (q * q).sum(-1))
@@ -122,9 +112,9 @@ def test_liere_gd2_is_shift_invariant(axes):
     pe = _pe(axes, gd=2)
     coords = torch.rand(9, axes, dtype=torch.float64) * 3
     shift = torch.randn(axes, dtype=torch.float64) * 5
-    q, k = _qk(10)
-    a = _logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = _logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
+    q, k = random_qk(10)
+    a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
+    b = rotated_logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
     # between patches; the class token is not rotated, so its logits see absolute positions
     torch.testing.assert_close(a[..., 1:, 1:], b[..., 1:, 1:], rtol=0, atol=1e-10)
 
@@ -134,9 +124,9 @@ def test_liere_gd8_is_not_shift_invariant(axes):
     """Dense 8x8 generators do not commute: a common shift of every position changes the logits."""
     pe = _pe(axes, gd=8)
     coords = torch.rand(9, axes, dtype=torch.float64)
-    q, k = _qk(10)
-    a = _logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = _logits(pe, vispe.points(coords + 0.5, num_prefix=1), q, k)
+    q, k = random_qk(10)
+    a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
+    b = rotated_logits(pe, vispe.points(coords + 0.5, num_prefix=1), q, k)
     assert (a - b)[..., 1:, 1:].abs().max() > 1e-2
     assert not pe.shift_invariant and _pe(axes, gd=2).shift_invariant
 
@@ -149,7 +139,7 @@ def test_liere_gd2_equals_rope_mixed_with_mapped_frequencies():
         # rope_mixed takes the column (x) first: its axis a is LieRE's axis D - 1 - a
         rope.freqs.copy_(-liere.generators[..., 0].flip(0))
     coords = torch.rand(7, 2, dtype=torch.float64) * 4
-    q, k = _qk(8)
+    q, k = random_qk(8)
     pos = vispe.points(coords, num_prefix=1)
     for layer in range(2):
         ql, kl = liere.qk(q, k, liere.prepare(pos), layer=layer)
@@ -172,7 +162,7 @@ def test_liere_positions_are_linspace_to_the_grid_ratio():
 
 def test_liere_class_token_is_not_rotated():
     pe = _pe()
-    q, k = _qk(17)
+    q, k = random_qk(17)
     q2, k2 = pe.qk(q, k, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
     torch.testing.assert_close(q2[:, :, 0], q[:, :, 0], rtol=0, atol=0)
     assert (q2[:, :, 1:] - q[:, :, 1:]).abs().max() > 1e-3
@@ -180,7 +170,7 @@ def test_liere_class_token_is_not_rotated():
 
 def test_liere_channels_beyond_whole_blocks_pass_through():
     pe = _pe(gd=3)  # head dim 16 = 5 blocks of 3 + 1 channel
-    q, k = _qk(17)
+    q, k = random_qk(17)
     q2, _ = pe.qk(q, k, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
     torch.testing.assert_close(q2[..., 15], q[..., 15], rtol=0, atol=0)
 
@@ -190,7 +180,7 @@ def test_liere_layers_and_heads_use_their_own_generators():
     pe = _pe()
     assert pe.generators.shape == (2, 2, 2, 2, 28)  # (D, layers, heads, blocks, 8*7/2)
     pos = vispe.grid(4, 4, num_prefix=1)
-    q, k = _qk(17)
+    q, k = random_qk(17)
     state = pe.prepare(pos)
     q0, _ = pe.qk(q, k, state, layer=0)
     q1, _ = pe.qk(q, k, state, layer=1)
@@ -231,7 +221,7 @@ def test_liere_video_and_point_positions():
     assert model.pe.num_axes == 3
     assert model(torch.randn(1, 3, 4, 32, 32)).shape == (1, TINY['num_classes'])
     pe = _pe(axes=3)
-    q, k = _qk(6)
+    q, k = random_qk(6)
     q2, _ = pe.qk(q, k, pe.prepare(vispe.points(torch.rand(2, 5, 3, dtype=torch.float64), num_prefix=1)), layer=0)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
 

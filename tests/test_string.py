@@ -4,7 +4,7 @@ import timm
 import torch
 
 import vispe
-from conftest import TINY, assert_tiny_vit_trains_and_runs_larger
+from conftest import TINY, assert_tiny_vit_trains_and_runs_larger, random_qk, rotated_logits
 
 VARIANTS = ['string_cayley', 'string_circulant']
 
@@ -21,16 +21,6 @@ def _cayley(axes=2, **kw):
     return pe
 
 
-def _qk(n, heads=2, head_dim=16, batch=2):
-    return (torch.randn(batch, heads, n, head_dim, dtype=torch.float64),
-            torch.randn(batch, heads, n, head_dim, dtype=torch.float64))
-
-
-def _logits(pe, pos, q, k, layer=1):
-    q2, k2 = pe.qk(q, k, pe.prepare(pos), layer=layer)
-    return q2 @ k2.transpose(-2, -1)
-
-
 def _make(name, axes=2, **kw):
     return _cayley(axes, **kw) if name == 'string_cayley' else _pe(name, axes, **kw)
 
@@ -41,11 +31,11 @@ def test_string_is_shift_invariant(name, axes):
     pe = _make(name, axes)
     coords = torch.rand(9, axes, dtype=torch.float64) * 6
     shift = torch.randn(axes, dtype=torch.float64) * 5
-    q, k = _qk(10)
-    a = _logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = _logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
+    q, k = random_qk(10)
+    a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
+    b = rotated_logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
     torch.testing.assert_close(a[..., 1:, 1:], b[..., 1:, 1:], rtol=0, atol=1e-10)
-    c = _logits(pe, vispe.points(coords * 1.5, num_prefix=1), q, k)
+    c = rotated_logits(pe, vispe.points(coords * 1.5, num_prefix=1), q, k)
     assert (a - c)[..., 1:, 1:].abs().max() > 1e-3
 
 
@@ -53,7 +43,7 @@ def test_string_is_shift_invariant(name, axes):
 def test_string_rotation_is_orthogonal(name):
     pe = _make(name)
     pos = vispe.grid(4, 4, num_prefix=1)
-    q, _ = _qk(17)
+    q, _ = random_qk(17)
     q2, k2 = pe.qk(q, q, pe.prepare(pos), layer=1)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
     torch.testing.assert_close((q2 * k2).sum(-1), (q * q).sum(-1))
@@ -79,9 +69,9 @@ def test_cayley_applies_p_before_rope():
     with torch.no_grad():
         plain.rope.freqs.copy_(pe.rope.freqs)
     pos = vispe.grid(4, 4, num_prefix=1)
-    q, k = _qk(17)
-    with_p = _logits(pe, pos, q, k)
-    without = _logits(plain, pos, q, k)
+    q, k = random_qk(17)
+    with_p = rotated_logits(pe, pos, q, k)
+    without = rotated_logits(plain, pos, q, k)
     assert (with_p - without)[..., 1:, 1:].abs().max() > 1e-2
     # the reverse order P RoPE(r) leaves q^T R_i^T R_j k unchanged: P^T P = I
     p = pe.orthogonal()[1]
@@ -89,7 +79,7 @@ def test_cayley_applies_p_before_rope():
     after = (qr @ p.transpose(-1, -2)) @ (kr @ p.transpose(-1, -2)).transpose(-2, -1)
     torch.testing.assert_close(after, without)
     # and P RoPE-mixes q: with_p equals RoPE applied to P q
-    torch.testing.assert_close(with_p, _logits(plain, pos, q @ p.transpose(-1, -2), k @ p.transpose(-1, -2)))
+    torch.testing.assert_close(with_p, rotated_logits(plain, pos, q @ p.transpose(-1, -2), k @ p.transpose(-1, -2)))
 
 
 def test_cayley_with_zero_skew_is_rope_mixed():
@@ -98,8 +88,8 @@ def test_cayley_with_zero_skew_is_rope_mixed():
     with torch.no_grad():
         rope.freqs.copy_(pe.rope.freqs)
     pos = vispe.grid(4, 4, num_prefix=1, dtype=torch.float64)
-    q, k = _qk(17)
-    torch.testing.assert_close(_logits(pe, pos, q, k), _logits(rope, pos, q, k), rtol=0, atol=1e-12)
+    q, k = random_qk(17)
+    torch.testing.assert_close(rotated_logits(pe, pos, q, k), rotated_logits(rope, pos, q, k), rtol=0, atol=1e-12)
 
 
 def test_cayley_folds_p_into_the_projections():
@@ -134,7 +124,7 @@ def test_circulant_fft_path_equals_dense_matrix_exp(block, axes):
     head_dim = 15 if block == 5 else 16
     pe = _pe('string_circulant', axes, head_dim=head_dim, block=block)
     coords = torch.randn(6, axes, dtype=torch.float64) * 3
-    q, k = _qk(6, head_dim=head_dim)
+    q, k = random_qk(6, head_dim=head_dim)
     q2, k2 = pe.qk(q, k, pe.prepare(vispe.points(coords)), layer=1)
     c = pe.coeffs.detach()[:, 1]  # layer 1: (D, H, blocks, block)
     gens = _circulant(c) - _circulant(c).transpose(-1, -2)  # L_k = C_k - C_k^T
@@ -157,7 +147,7 @@ def test_circulant_generators_commute():
 @pytest.mark.parametrize('name', VARIANTS)
 def test_string_prefix_tokens(name):
     pe = _make(name)
-    q, k = _qk(17)
+    q, k = random_qk(17)
     q2, _ = pe.qk(q, k, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
     if name == 'string_circulant':  # identity (up to the FFT round trip)
         torch.testing.assert_close(q2[:, :, 0], q[:, :, 0], rtol=0, atol=1e-12)
@@ -187,7 +177,7 @@ def test_string_on_video_grids_and_rgbd_points(name):
     model = timm.create_model('vit_tiny', pe=name, video=True, num_frames=4, tubelet=2, **TINY)
     model(torch.randn(2, 3, 4, 32, 32)).sum().backward()
     pe = _make(name, axes=3)
-    q, k = _qk(9)
+    q, k = random_qk(9)
     xyz = torch.randn(2, 8, 3, dtype=torch.float64)
     q2, _ = pe.qk(q, k, pe.prepare(vispe.points(xyz, num_prefix=1)), 0)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
