@@ -6,8 +6,10 @@ import timm
 import torch
 
 import vispe
-from vispe.encodings._lie import expm_skew
-from vispe.encodings.rotary import apply_block_rotation, apply_pair_rotation, fourier_rotation, orthogonal_map
+from vispe.encodings._lie import expm_skew, linear_exp
+from vispe.encodings.rotary import (
+    apply_block_rotation, apply_pair_rotation, fourier_rotation, orthogonal_map, rotate_qk,
+)
 from conftest import TINY, assert_tiny_vit_trains_and_runs_larger, random_qk, rotated_logits
 
 
@@ -81,6 +83,31 @@ def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
         torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize('width', [16, 12])  # all channels in blocks / the last 4 passing through
+@pytest.mark.parametrize('rot_layout', ['position_major', 'contiguous'])
+def test_rotate_qk_on_a_fused_projection_matches_autograd(width, rot_layout):
+    """q and k as attention gets them (views of one qkv projection), rotated as one stack by shared
+    block rotations: values and the gradients of q, k and the rotations equal autograd's."""
+    batch, tokens, heads, hd, b = 2, 5, 3, 16, 4
+    qkv = torch.randn(batch, tokens, 3, heads, hd, dtype=torch.float64, requires_grad=True)
+    q, k, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, hd) views, timm's Attention
+    a = torch.randn(tokens, heads, width // b, b, b, dtype=torch.float64)
+    rot = torch.linalg.matrix_exp(a - a.transpose(-1, -2))  # (N, H, nb, b, b) in memory
+    rot = rot.transpose(0, 1) if rot_layout == 'position_major' else rot.transpose(0, 1).contiguous()
+    rot.requires_grad_()
+    q2, k2 = rotate_qk(q, k, rot, rot, 'block')
+    wq, wk = torch.randn_like(q2), torch.randn_like(k2)
+    got = torch.autograd.grad((q2 * wq).sum() + (k2 * wk).sum(), (qkv, rot))
+
+    def direct(x):
+        return torch.cat([apply_block_rotation(x[..., :width], rot), x[..., width:]], -1)
+    torch.testing.assert_close(q2, direct(q))
+    torch.testing.assert_close(k2, direct(k))
+    expected = torch.autograd.grad((direct(q) * wq).sum() + (direct(k) * wk).sum(), (qkv, rot))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
 @pytest.mark.parametrize('gd', [3, 8])
 def test_liere_rotation_is_matrix_exp_of_summed_generators(gd):
     """R(p) = matrix_exp(sum_d p_d A_d) per block, A_d = T - T^T from the strict upper triangle."""
@@ -94,6 +121,29 @@ def test_liere_rotation_is_matrix_exp_of_summed_generators(gd):
     gens = t - t.transpose(-1, -2)  # (D, L, H, blocks, gd, gd)
     expected = torch.linalg.matrix_exp(torch.einsum('nd,dlhjab->lhnjab', coords, gens).contiguous())
     torch.testing.assert_close(rot, expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize('coords_shape', [(6, 2), (6, 3), (2, 6, 2)])  # grid-like, 3 axes, per sample
+@pytest.mark.parametrize('scale', [0.05, 3.0])  # no squaring at all / several
+@pytest.mark.parametrize('num_prefix', [0, 2])
+def test_linear_exp_values_and_gradients_match_matrix_exp(coords_shape, scale, num_prefix):
+    """The block exponential's own backward (recomputed Taylor part, squarings undone one by one)
+    against autograd through torch.linalg.matrix_exp, for the generators and the coordinates."""
+    axes = coords_shape[-1]
+    t = torch.randn(axes, 2, 3, 2, 4, 4, dtype=torch.float64) * scale  # (D, L, H, blocks, b, b)
+    gen = (t - t.transpose(-1, -2)).requires_grad_()
+    coords = torch.rand(coords_shape, dtype=torch.float64, requires_grad=True)
+    got = linear_exp(gen, coords, num_prefix=num_prefix)
+    lead = 'b' if len(coords_shape) == 3 else ''
+    exponent = torch.einsum(f'{lead}nd,dlhjxy->l{lead}hnjxy', coords, gen)
+    expected = torch.linalg.matrix_exp(exponent.contiguous())
+    eye = torch.eye(4, dtype=torch.float64).expand(*expected.shape[:-4], num_prefix, *expected.shape[-3:])
+    expected = torch.cat([eye, expected], dim=-4)
+    weight = torch.randn_like(expected)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    for g, e in zip(torch.autograd.grad((got * weight).sum(), (gen, coords)),
+                    torch.autograd.grad((expected * weight).sum(), (gen, coords))):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-8)
 
 
 @pytest.mark.parametrize('gd', [2, 3, 8])

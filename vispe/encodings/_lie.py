@@ -28,7 +28,6 @@ from functools import lru_cache
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..positions import Positions
 from .base import PEContext, PositionalEncoding
@@ -175,28 +174,106 @@ def _word_sums(gen: torch.Tensor, degree: int) -> torch.Tensor:
     return torch.cat(levels)
 
 
-def _linear_exp_blocks(gen: torch.Tensor, coords: torch.Tensor, squarings: int, degree: int) -> torch.Tensor:
-    """``exp(sum_d p_d A_d) = T(p / 2^s)^(2^s)`` with the Taylor polynomial ``T`` written as a polynomial
-    in the coordinates, ``sum_alpha p^alpha S_alpha / (2^(s |alpha|) |alpha|!)``: one GEMM evaluates it
-    at every position (no matrix product per position), then ``s`` squarings."""
+def _soa_matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a_m b_m`` for matrices stored as a structure of arrays, ``(C, b, b, c)``: entry ``(i, j)`` of
+    matrix ``(C, m)`` at ``[C, i, j, m]``. One broadcast multiply-add per inner index covers every
+    matrix at once; for ``8 x 8`` blocks this is about twice as fast as `torch.bmm` on a CPU, which
+    runs one small GEMM per matrix."""
+    out = torch.mul(a[:, :, :1], b[:, :1], out=out)
+    for k in range(1, a.shape[2]):
+        out.addcmul_(a[:, :, k:k + 1], b[:, k:k + 1])
+    return out
+
+
+def _soa_squaring_grad(grad: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Gradient through ``y -> y y`` in the `_soa_matmul` layout: ``G y^T + y^T G``."""
+    torch.mul(grad[:, :, :1], y[:, None, :, 0], out=out)  # G y^T: sum_k G[i, k] y[j, k]
+    for k in range(1, y.shape[2]):
+        out.addcmul_(grad[:, :, k:k + 1], y[:, None, :, k])
+    for k in range(y.shape[2]):  # y^T G: sum_k y[k, i] G[k, j]
+        out.addcmul_(y[:, k, :, None], grad[:, k:k + 1])
+    return out
+
+
+def _taylor_soa(gen: torch.Tensor, coords: torch.Tensor, squarings: int, degree: int) -> torch.Tensor:
+    """``T(sum_d p_d A_d / 2^s)`` at every position, ``T`` the degree-``degree`` Taylor polynomial
+    written as a polynomial in the coordinates, ``sum_alpha p^alpha S_alpha / (2^(s |alpha|) |alpha|!)``:
+    one GEMM over the monomials (no matrix product per position). Laid out for `_soa_matmul`,
+    ``(L' [B] H', b, b, nb N)``."""
     exponents, _ = _plan_tensors(gen.shape[0], degree, coords.device, coords.dtype)  # (K, D)
     order = exponents.sum(-1)
     scale = torch.exp2(-squarings * order) / torch.lgamma(order + 1).exp()
     coef = (coords.unsqueeze(-2) ** exponents).prod(-1) * scale  # ([B,] N, K)
     sums = _word_sums(gen, degree)  # (K, L', H', nb, b, b)
     k, layers, heads, nb, b = sums.shape[:5]
-    flat = sums.movedim(0, 1).reshape(layers, k, -1)  # (L', K, H' nb b b)
-    if coords.dim() == 3:  # (B, N, K) x (L', 1, K, F) -> (L', B, N, F)
-        y = torch.matmul(coef, flat.unsqueeze(1))
-    else:  # (N, K) x (L', K, F) -> (L', N, F)
-        y = torch.matmul(coef, flat)
-    shape = y.shape[:-1] + (heads, nb, b, b)
-    y = y.reshape(-1, b, b)
+    flat = sums.permute(1, 2, 4, 5, 3, 0).reshape(layers, heads * b * b * nb, k)  # rows (H', b, b, nb)
+    if coords.dim() == 3:  # (L', 1, F, K) x (B, K, N) -> (L', B, F, N)
+        y = torch.matmul(flat.unsqueeze(1), coef.transpose(-1, -2))
+    else:  # (L', F, K) x (K, N) -> (L', F, N)
+        y = torch.matmul(flat, coef.transpose(-1, -2))
+    return y.reshape(-1, b, b, nb * coef.shape[-2])
+
+
+def _position_major(y: torch.Tensor, gen: torch.Tensor, coords: torch.Tensor, num_prefix: int) -> torch.Tensor:
+    """`_taylor_soa`-layout blocks as rotations ``(L', [B,] H', N_prefix + N, nb, b, b)`` with identity
+    rows for the prefix tokens, laid out position-major ``(L', [B,] N, H', nb, b, b)`` as q and k lie
+    in attention, so that `rotary.rotate_blocks` multiplies views of both without copying either."""
+    layers, heads, nb, b = gen.shape[1], gen.shape[2], gen.shape[3], gen.shape[-1]
+    lead = (layers,) + tuple(coords.shape[:-2])
+    n = coords.shape[-2]
+    out = y.new_empty(*lead, num_prefix + n, heads, nb, b, b)
+    out.narrow(-5, 0, num_prefix).copy_(torch.eye(b, dtype=y.dtype, device=y.device))
+    at = len(lead)
+    blocks = y.reshape(*lead, heads, b, b, nb, n).permute(*range(at), at + 4, at, at + 3, at + 1, at + 2)
+    out.narrow(-5, num_prefix, n).copy_(blocks)
+    return out.transpose(-5, -4)
+
+
+def _squarings_soa(y: torch.Tensor, squarings: int, keep: bool = False) -> Tuple[torch.Tensor, ...]:
+    """``y^(2^s)`` by ``s`` squarings in the `_soa_matmul` layout; with ``keep`` also every factor
+    ``y^(2^k)``, ``k < s`` (for backward), else two buffers are reused."""
+    factors = [y]
+    spare = None
     for _ in range(squarings):
-        y = torch.bmm(y, y)
-    # (L', [B,] H', N, nb, b, b) laid out position-major, as q and k lie in attention, so that
-    # `rotary.rotate_blocks` multiplies views of both without copying either
-    return y.reshape(shape).movedim(-5, -4)
+        nxt = _soa_matmul(factors[-1], factors[-1], out=spare)
+        if keep:
+            factors.append(nxt)
+        else:
+            spare, factors[-1] = (factors[-1] if factors[-1] is not y else None), nxt
+    return tuple(factors)
+
+
+class _LinearExpBlocks(torch.autograd.Function):
+    """`linear_exp` for ``b > 2`` blocks: the Taylor polynomial by one GEMM (`_taylor_soa`), ``s``
+    squarings, the position-major layout. Only the generators and coordinates are kept for backward,
+    which recomputes the Taylor part and the squarings' factors (not the last squaring: its output,
+    the rotation, is what the gradient arrives for) and goes back through each squaring,
+    ``G <- G y^T + y^T G``."""
+
+    @staticmethod
+    def forward(ctx, gen, coords, squarings, degree, num_prefix):
+        y = _squarings_soa(_taylor_soa(gen, coords, squarings, degree), squarings)[-1]
+        ctx.save_for_backward(gen, coords)
+        ctx.squarings, ctx.degree, ctx.num_prefix = squarings, degree, num_prefix
+        return _position_major(y, gen, coords, num_prefix)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gen, coords = ctx.saved_tensors
+        b, nb, n = gen.shape[-1], gen.shape[3], coords.shape[-2]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((gen, coords), ctx.needs_input_grad[:2])]
+            taylor = _taylor_soa(*leaves, ctx.squarings, ctx.degree)
+        factors = _squarings_soa(taylor.detach(), ctx.squarings - 1, keep=True) if ctx.squarings else ()
+        # the rotations' gradient in the Taylor layout (C, b, b, nb N)
+        g = grad.transpose(-5, -4).narrow(-5, ctx.num_prefix, n)  # (L', [B,] N, H', nb, b, b)
+        at = g.dim() - 5
+        g = g.permute(*range(at), at + 1, at + 3, at + 4, at + 2, at).reshape(taylor.shape)
+        spare = [torch.empty_like(taylor), torch.empty_like(taylor)]
+        for i, y in enumerate(reversed(factors)):
+            g = _soa_squaring_grad(g, y, out=spare[i % 2])
+        found = iter(torch.autograd.grad(taylor, [t for t in leaves if t.requires_grad], g))
+        return tuple(next(found) if t.requires_grad else None for t in leaves) + (None, None, None)
 
 
 def _poly_degree(num_axes: int) -> int:
@@ -215,9 +292,10 @@ def _squarings(gen: torch.Tensor, coords: torch.Tensor) -> int:
     return _num_squarings(bound, _poly_degree(num_axes), gen.dtype)
 
 
-def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int] = None) -> torch.Tensor:
+def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int] = None, num_prefix: int = 0
+               ) -> torch.Tensor:
     """``R(p) = exp(sum_d p_d A_d)`` for every position: gen ``(D, L', H', nb, b, b)`` skew blocks,
-    coords ``([B,] N, D)``.
+    coords ``([B,] N, D)``; ``num_prefix`` identity rotations (prefix tokens) come first.
 
     ``b = 2``: the plane-rotation angles ``(L', [B,] H', N, nb)``, ``sum_d p_d A_d[1, 0]`` (kind
     ``pair``: interleaved channel pairs are the consecutive 2 x 2 blocks). ``b > 2``: real blocks
@@ -227,14 +305,12 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int]
     result is recomputed in backward rather than keeping the squarings' intermediates.
     """
     if gen.shape[-1] == 2:
-        return axis_sum(coords, gen[..., 1, 0])
+        return pad_identity(axis_sum(coords, gen[..., 1, 0]), num_prefix, 'pair')
     num_axes = gen.shape[0]
     if num_axes > _MAX_POLY_AXES:
-        return expm_skew(axis_sum(coords, gen).contiguous())
+        return pad_identity(expm_skew(axis_sum(coords, gen).contiguous()), num_prefix, 'block')
     squarings = _squarings(gen, coords) if squarings is None else squarings
-    if torch.is_grad_enabled() and (gen.requires_grad or coords.requires_grad):
-        return checkpoint(_linear_exp_blocks, gen, coords, squarings, _poly_degree(num_axes), use_reentrant=False)
-    return _linear_exp_blocks(gen, coords, squarings, _poly_degree(num_axes))
+    return _LinearExpBlocks.apply(gen, coords, squarings, _poly_degree(num_axes), num_prefix)
 
 
 def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) -> Rotations:
@@ -244,11 +320,10 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) 
     backward pass holds one layer's scaling-and-squaring intermediates at a time, not all of them;
     the number of squarings is found once for all layers.
     """
-    kind = 'pair' if gen.shape[-1] == 2 else 'block'
-    if kind == 'pair' or not (torch.is_grad_enabled() and gen.requires_grad):
-        return pad_identity(linear_exp(gen, coords), num_prefix, kind)
+    if gen.shape[-1] == 2 or not (torch.is_grad_enabled() and gen.requires_grad):
+        return linear_exp(gen, coords, num_prefix=num_prefix)
     squarings = _squarings(gen, coords) if gen.shape[0] <= _MAX_POLY_AXES else None
-    return [pad_identity(linear_exp(g, coords, squarings), num_prefix, kind)[0] for g in gen.split(1, dim=1)]
+    return [linear_exp(g, coords, squarings, num_prefix)[0] for g in gen.split(1, dim=1)]
 
 
 def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:

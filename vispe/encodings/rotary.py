@@ -20,7 +20,8 @@ import torch
 __all__ = [
     'PairLayout', 'FrequencyScaling', 'axial_frequencies', 'scale_frequencies', 'rotation_table',
     'apply_pair_rotation', 'apply_block_rotation', 'pad_prefix', 'compute_dtype',
-    'block_rotation_grad', 'fourier_rotation', 'orthogonal_map', 'rotate', 'rotate_qk', 'RotationKind',
+    'block_rotation_grad', 'block_rotation_grad_from_output', 'fourier_rotation', 'orthogonal_map', 'rotate_qk',
+    'RotationKind',
 ]
 
 PairLayout = Literal['interleaved', 'half']
@@ -145,13 +146,14 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).to(x.dtype)
 
 
-def _blocks_as_matrices(x: torch.Tensor, rot: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, Any]]:
+def _blocks_as_matrices(x: torch.Tensor, rot: torch.Tensor, order: Optional[Sequence[int]] = None
+                        ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Any]]:
     """Views for `rotate_blocks`: ``x`` as ``(M, Z, b)`` and ``rot`` as ``(M, b, b)``, or None.
 
     ``M``: the dims where ``rot`` varies (positions, heads, blocks; per-sample jitter), ordered as
-    they lie in ``rot``'s memory; ``Z``: the dims it broadcasts along (batch, the q/k stack). Only
-    views qualify (None otherwise): the point is to feed the batched product without the copies
-    einsum makes of both operands.
+    they lie in ``rot``'s memory; ``Z``: the dims it broadcasts along (batch, the q/k stack), in
+    ``x``'s memory order unless ``order`` (a previous call's) is given. Only views qualify (None
+    otherwise): the point is to feed the batched product without the copies einsum makes.
     """
     nb, b = rot.shape[-3], rot.shape[-1]
     blocks = x.unflatten(-1, (nb, b))
@@ -161,10 +163,11 @@ def _blocks_as_matrices(x: torch.Tensor, rot: torch.Tensor) -> Optional[Tuple[to
         return None
     dims = range(len(lead))
     aligned = rot.reshape(rot_lead + (b, b))
-    m = sorted((d for d in dims if rot_lead[d] != 1), key=lambda d: -aligned.stride(d))
-    z = sorted((d for d in dims if rot_lead[d] == 1 and lead[d] != 1), key=lambda d: -blocks.stride(d))
-    order = [d for d in dims if d not in m and d not in z] + m + z
-    num_m = math.prod(lead[d] for d in m)
+    if order is None:
+        m = sorted((d for d in dims if rot_lead[d] != 1), key=lambda d: -aligned.stride(d))
+        z = sorted((d for d in dims if rot_lead[d] == 1 and lead[d] != 1), key=lambda d: -blocks.stride(d))
+        order = [d for d in dims if d not in m and d not in z] + m + z
+    num_m = math.prod(lead[d] for d in dims if rot_lead[d] != 1)
     try:
         xm = blocks.permute(*order, -1).view(num_m, -1, b)
         rm = aligned.permute(*order, -2, -1).view(num_m, b, b)
@@ -182,11 +185,13 @@ def rotate_blocks(x: torch.Tensor, rot: torch.Tensor, transpose: bool = False) -
     if views is None:
         return apply_block_rotation(x, rot.transpose(-1, -2) if transpose else rot)
     xm, rm, order = views
-    out = torch.bmm(xm, rm if transpose else rm.transpose(1, 2))  # (M, Z, b): row z is (R x_z)^T
+    # R_m (b x b) times the Z vectors of x as columns: MKL's batched GEMM runs this operand order
+    # about twice as fast as x_m R_m^T on these small products
+    out = torch.bmm(rm.transpose(1, 2) if transpose else rm, xm.transpose(1, 2))  # (M, b, Z)
     result = torch.empty_like(x)
     target = result.unflatten(-1, (rot.shape[-3], rot.shape[-1])).permute(*order, -1)
     try:
-        target.view(out.shape).copy_(out)
+        target.view(xm.shape).copy_(out.transpose(1, 2))
     except RuntimeError:  # x was not dense: no view of a fresh tensor laid out like it
         return apply_block_rotation(x, rot.transpose(-1, -2) if transpose else rot)
     return result
@@ -207,6 +212,27 @@ def block_rotation_grad(grad: torch.Tensor, x: torch.Tensor, rot: torch.Tensor) 
     return g.reshape(rot.shape)
 
 
+def block_rotation_grad_from_output(grad: torch.Tensor, out: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """`block_rotation_grad` from the rotated ``out = R x`` instead of ``x``: with ``x_z^T = y_z^T R``
+    the sum ``sum_z g_z x_z^T`` is ``(sum_z g_z y_z^T) R``, two batched products on views of
+    ``grad``, ``out`` and ``rot`` (no ``R^T y`` pass, no relaid copies); einsum when no views exist."""
+    ct = torch.promote_types(out.dtype, torch.float32)
+    views = _blocks_as_matrices(out, rot) if out.dtype == ct and rot.dtype == ct and grad.dtype == ct else None
+    if views is not None:
+        om, rm, order = views
+        gviews = _blocks_as_matrices(grad, rot, order)
+        if gviews is None:  # lay grad out like out (autograd may hand over any layout)
+            gviews = _blocks_as_matrices(torch.empty_like(out).copy_(grad), rot, order)
+        result = torch.empty_like(rot)
+        target = _blocks_as_matrices(out, result, order)
+        if gviews is not None and target is not None and target[1].is_contiguous():
+            outer = torch.bmm(gviews[0].transpose(1, 2), om)  # (M, b, b): sum_z g_z y_z^T
+            torch.bmm(outer, rm, out=target[1])
+            return result
+    x = apply_block_rotation(out, rot.transpose(-1, -2))
+    return block_rotation_grad(grad, x, rot)
+
+
 def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
     """``IFFT(table * FFT(z))`` on each length-``block`` channel block ``z`` of ``x`` (real FFT): the
     rotation by a circulant exponential. ``table`` ``(..., N, blocks * (block // 2 + 1))`` unit complex."""
@@ -225,8 +251,9 @@ Kernel = Callable[..., torch.Tensor]
 
 class RotationKind(NamedTuple):
     """How one kind of rotation is applied: ``R x``, ``R^T y``, ``R^-1 y`` (None: ``R^T``, the
-    rotation is orthogonal) and, optionally, the parameters' gradients ``(grad, x, *params) ->
-    grads`` (None: autograd through ``forward``)."""
+    rotation is orthogonal) and, optionally, the parameters' gradients from the rotated output,
+    ``(grad, R x, *params, block) -> grads`` (None: ``x`` is recovered as ``R^-1 (R x)`` and autograd
+    runs through ``forward``)."""
     forward: Kernel
     adjoint: Kernel
     inverse: Optional[Kernel] = None
@@ -245,7 +272,7 @@ _KERNELS: Dict[str, RotationKind] = {
                          lambda y, angle, block: apply_pair_rotation(y, rotation_table(-angle))),
     'block': RotationKind(lambda x, rot, block: rotate_blocks(x, rot),
                           lambda y, rot, block: rotate_blocks(y, rot, transpose=True),
-                          param_grads=lambda grad, x, rot, block: (block_rotation_grad(grad, x, rot),)),
+                          param_grads=lambda grad, out, rot, block: (block_rotation_grad_from_output(grad, out, rot),)),
     'fourier': RotationKind(lambda x, angle, block: fourier_rotation(x, rotation_table(angle), block),
                             lambda y, angle, block: fourier_rotation(y, rotation_table(-angle), block)),
     'mixed_pair': RotationKind(
@@ -254,76 +281,111 @@ _KERNELS: Dict[str, RotationKind] = {
 }
 
 
+def _rotated_width(kind: str, params: Sequence[torch.Tensor], hd: int) -> int:
+    """Channels a rotation covers: whole ``b x b`` blocks for kind ``block`` (LieRE when ``gd`` does
+    not divide the head dim; the rest pass through), all of them otherwise."""
+    return params[0].shape[-3] * params[0].shape[-1] if kind == 'block' else hd
+
+
+def _stack(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``stack(inputs)`` laid out in the first one's memory order (a fused qkv projection gives q as
+    (B, N, H, hd) under its (B, H, N, hd) view), which the kernels and so attention's output keep."""
+    if len(inputs) == 1:
+        return inputs[0]
+    first = inputs[0]
+    order = sorted(range(first.dim() - 1), key=lambda d: -first.stride(d)) + [first.dim() - 1]  # channels last
+    back = [1 + order.index(d) for d in range(first.dim())]
+    return torch.stack([t.permute(order) for t in inputs]).permute(0, *back)
+
+
+def _forward(kind: str, block: int, x: torch.Tensor, params: Sequence[torch.Tensor], keep_layout: bool
+             ) -> torch.Tensor:
+    """``R x`` on the rotated channels, the others passed through; in ``x``'s memory layout with
+    ``keep_layout`` (in training: SDPA's output follows q's layout, and the projection after
+    attention would otherwise save a relaid copy of it next to the one attention saves)."""
+    kernel = _KERNELS[kind].forward
+    width = _rotated_width(kind, params, x.shape[-1])
+    if width == x.shape[-1]:
+        out = kernel(x, *params, block)
+        return torch.empty_like(x).copy_(out) if keep_layout and out.stride() != x.stride() else out
+    out = torch.empty_like(x)
+    out[..., :width] = kernel(x[..., :width], *params, block)
+    out[..., width:] = x[..., width:]
+    return out
+
+
 class _SavedOutputRotation(torch.autograd.Function):
-    """``x -> R x`` keeping only ``R x`` (which attention saves anyway) and the parameters for
-    backward: there ``grad_x = R^T grad`` and, for the parameters' gradient, ``x = R^-1 (R x)`` is
-    recovered instead of storing a second copy of q or k per layer."""
+    """``x -> R x`` for one or more inputs sharing a rotation (q and k, stacked into one ``x``),
+    keeping only ``R x`` (which attention saves anyway) and the parameters for backward: there
+    ``grad_x = R^T grad``, and the parameters' gradient comes from ``R x`` directly (kind ``block``)
+    or from ``x = R^-1 (R x)``, instead of storing a second copy of q and k per layer."""
 
     @staticmethod
-    def forward(ctx, kind, block, x, *params):
-        out = _KERNELS[kind].forward(x, *params, block)
-        if out.stride() != x.stride():
-            # keep x's memory layout: SDPA's output follows q's, and the projection after attention
-            # would otherwise save a relaid copy of it next to the one attention saves
-            out = torch.empty_like(x).copy_(out)
+    def forward(ctx, kind, block, count, *args):
+        inputs, params = args[:count], args[count:]
+        out = _forward(kind, block, _stack(inputs), params, keep_layout=True)
         ctx.save_for_backward(out, *params)
-        ctx.kind, ctx.block = kind, block
-        return out
+        ctx.kind, ctx.block, ctx.count = kind, block, count
+        return out if count == 1 else tuple(out.unbind(0))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         out, *params = ctx.saved_tensors
+        if ctx.count == 1:
+            grad = grads[0]
+        else:  # stacked like the outputs, so that the kernels see views of it again
+            grad = torch.empty_like(out)
+            for part, g in zip(grad.unbind(0), grads):
+                part.copy_(g) if g is not None else part.zero_()
         kernels = _KERNELS[ctx.kind]
-        grad_x = kernels.adjoint(grad, *params, ctx.block) if ctx.needs_input_grad[2] else None
-        need = ctx.needs_input_grad[3:]
-        grads = [None] * len(params)
-        if any(need):
-            x = (kernels.inverse or kernels.adjoint)(out, *params, ctx.block)
-            if kernels.param_grads is not None:
-                grads = [g if n else None for g, n in zip(kernels.param_grads(grad, x, *params, ctx.block), need)]
-            else:
-                with torch.enable_grad():
-                    leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need)]
-                    found = torch.autograd.grad(kernels.forward(x, *leaves, ctx.block),
-                                                [p for p, n in zip(leaves, need) if n], grad)
-                it = iter(found)
-                grads = [next(it) if n else None for n in need]
-        return (None, None, grad_x, *grads)
+        width = _rotated_width(ctx.kind, params, out.shape[-1])
+        g_rot, y_rot = (grad, out) if width == out.shape[-1] else (grad[..., :width], out[..., :width])
+        grads_x = (None,) * ctx.count
+        if any(ctx.needs_input_grad[3:3 + ctx.count]):
+            grad_x = kernels.adjoint(g_rot, *params, ctx.block)
+            if width != out.shape[-1]:
+                grad_x = torch.cat([grad_x, grad[..., width:]], dim=-1)
+            grads_x = (grad_x,) if ctx.count == 1 else tuple(grad_x.unbind(0))
+        need = ctx.needs_input_grad[3 + ctx.count:]
+        grads_p = [None] * len(params)
+        if any(need) and kernels.param_grads is not None:
+            grads_p = [g if n else None for g, n in zip(kernels.param_grads(g_rot, y_rot, *params, ctx.block), need)]
+        elif any(need):
+            x = (kernels.inverse or kernels.adjoint)(y_rot, *params, ctx.block)
+            with torch.enable_grad():
+                leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need)]
+                found = iter(torch.autograd.grad(kernels.forward(x, *leaves, ctx.block),
+                                                 [p for p, n in zip(leaves, need) if n], g_rot))
+            grads_p = [next(found) if n else None for n in need]
+        return (None, None, None, *grads_x, *grads_p)
+
+
+def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind: str, block: int
+            ) -> Tuple[torch.Tensor, ...]:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)):
+        out = _SavedOutputRotation.apply(kind, block, len(inputs), *inputs, *params)
+        return (out,) if len(inputs) == 1 else out
+    out = _forward(kind, block, _stack(inputs), params, keep_layout=False)
+    return (out,) if len(inputs) == 1 else out.unbind(0)
 
 
 def orthogonal_map(x: torch.Tensor, kind: str, *params: torch.Tensor, block: int = 0) -> torch.Tensor:
-    """Rotate ``x`` by a rotation of ``kind`` (``table`` complex pairs, ``pair`` angles, ``block``
-    matrices, ``fourier`` angles, ``mixed_pair`` matrix and angles); memory-lean under autograd."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-        return _SavedOutputRotation.apply(kind, block, x, *params)
-    return _KERNELS[kind].forward(x, *params, block)
-
-
-def rotate(x: torch.Tensor, params: Sequence[torch.Tensor], kind: str, block: int = 0) -> torch.Tensor:
-    """Apply a rotation of ``kind`` (parameters ``params``) to ``x`` ``(..., N, hd)``; channels beyond
-    whole ``b x b`` blocks pass through (LieRE when ``gd`` does not divide the head dim)."""
-    if kind == 'block':
-        width = params[0].shape[-3] * params[0].shape[-1]
-        if width != x.shape[-1]:
-            return torch.cat([orthogonal_map(x[..., :width], kind, *params), x[..., width:]], dim=-1)
-    return orthogonal_map(x, kind, *params, block=block)
+    """Rotate ``x`` ``(..., N, hd)`` by a rotation of ``kind`` (``table`` complex pairs, ``pair``
+    angles, ``block`` matrices, ``fourier`` angles, ``mixed_pair`` matrix and angles); channels
+    beyond whole ``b x b`` blocks pass through. Memory-lean under autograd (keeps only the output)."""
+    return _rotate((x,), params, kind, block)[0]
 
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, rot_q: Any, rot_k: Any, kind: str, block: int = 0
               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`rotate` q and k; in self-attention (one rotation for both) as a single call on ``stack(q, k)``,
-    which halves the kernel launches and widens the small per-position products.
+    """`orthogonal_map` q and k; in self-attention (one rotation for both) as a single call on
+    ``stack(q, k)``, which halves the kernel launches and widens the small per-position products.
     ``rot_q`` / ``rot_k``: a tensor, or a tuple of tensors for the multi-parameter kinds."""
     params_q = rot_q if isinstance(rot_q, tuple) else (rot_q,)
     params_k = rot_k if isinstance(rot_k, tuple) else (rot_k,)
     if q.shape == k.shape and all(a is b for a, b in zip(params_q, params_k)):
-        # stacked in q's memory order (a fused qkv projection gives (B, N, H, hd) under the (B, H, N, hd)
-        # view), which the elementwise kernels and so attention's output keep
-        order = sorted(range(q.dim() - 1), key=lambda d: -q.stride(d)) + [q.dim() - 1]  # channels stay last
-        both = torch.stack((q.permute(order), k.permute(order))).permute(0, *[1 + order.index(d) for d in range(q.dim())])
-        both = rotate(both, params_q, kind, block)
-        return both[0], both[1]
-    return rotate(q, params_q, kind, block), rotate(k, params_k, kind, block)
+        return _rotate((q, k), params_q, kind, block)
+    return _rotate((q,), params_q, kind, block)[0], _rotate((k,), params_k, kind, block)[0]
 
 
 def check_head_dim(name: str, head_dim: int, multiple: int, why: str) -> None:
