@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -156,11 +156,12 @@ def _plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch
             tuple(inc.to(device=device, dtype=dtype) for inc in incidence))
 
 
-def _word_sums(gen: torch.Tensor, degree: int) -> torch.Tensor:
+def _word_sums(gen: torch.Tensor, degree: int) -> List[torch.Tensor]:
     """``S_alpha`` for ``|alpha| <= degree``: the sum of all products of generators with ``alpha_d``
     factors ``A_d``, so that ``(sum_d p_d A_d)^k = sum_{|alpha| = k} p^alpha S_alpha``. Built degree by
     degree from ``S_alpha = sum_d A_d S_{alpha - e_d}``: per degree one batched product and one small
-    GEMM with the 0/1 incidence matrix. gen ``(D, ...lead, b, b)`` -> ``(K, ...lead, b, b)``."""
+    GEMM with the 0/1 incidence matrix. gen ``(D, ...lead, b, b)`` -> per degree ``k`` a tensor
+    ``(n_k, ...lead, b, b)``, the monomials in `_monomial_plan`'s order."""
     num_axes, b = gen.shape[0], gen.shape[-1]
     _, incidence = _plan_tensors(num_axes, degree, gen.device, gen.dtype)
     lead = gen.shape[1:-2]
@@ -171,7 +172,7 @@ def _word_sums(gen: torch.Tensor, degree: int) -> torch.Tensor:
         prods = gen.unsqueeze(1) if k == 1 else gen.unsqueeze(1) @ level.unsqueeze(0)
         level = (inc @ prods.reshape(inc.shape[1], -1)).reshape(inc.shape[0], *lead, b, b)
         levels.append(level)
-    return torch.cat(levels)
+    return levels
 
 
 def _soa_matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -204,9 +205,10 @@ def _taylor_soa(gen: torch.Tensor, coords: torch.Tensor, squarings: int, degree:
     order = exponents.sum(-1)
     scale = torch.exp2(-squarings * order) / torch.lgamma(order + 1).exp()
     coef = (coords.unsqueeze(-2) ** exponents).prod(-1) * scale  # ([B,] N, K)
-    sums = _word_sums(gen, degree)  # (K, L', H', nb, b, b)
-    k, layers, heads, nb, b = sums.shape[:5]
-    flat = sums.permute(1, 2, 4, 5, 3, 0).reshape(layers, heads * b * b * nb, k)  # rows (H', b, b, nb)
+    layers, heads, nb, b = gen.shape[1:5]
+    # (L', H', b, b, nb, K) in one copy: the GEMM's rows (H', b, b, nb) give the squarings' layout
+    sums = torch.cat([level.permute(1, 2, 4, 5, 3, 0) for level in _word_sums(gen, degree)], dim=-1)
+    flat = sums.reshape(layers, heads * b * b * nb, -1)
     if coords.dim() == 3:  # (L', 1, F, K) x (B, K, N) -> (L', B, F, N)
         y = torch.matmul(flat.unsqueeze(1), coef.transpose(-1, -2))
     else:  # (L', F, K) x (K, N) -> (L', F, N)

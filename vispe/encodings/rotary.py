@@ -176,10 +176,12 @@ def _blocks_as_matrices(x: torch.Tensor, rot: torch.Tensor, order: Optional[Sequ
     return xm, rm, order
 
 
-def rotate_blocks(x: torch.Tensor, rot: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+def rotate_blocks(x: torch.Tensor, rot: torch.Tensor, transpose: bool = False, relayout: bool = True
+                  ) -> torch.Tensor:
     """`apply_block_rotation` (``rot^T`` with ``transpose``) as one batched product on views of ``x``
     and ``rot`` when their layouts allow it (the learned rotations lay ``rot`` out to match q and k),
-    the result in ``x``'s memory layout; einsum otherwise."""
+    the result in ``x``'s memory layout (with ``relayout=False``, a view of the product's own
+    layout, for a consumer that copies anyway); einsum otherwise."""
     ct = torch.promote_types(x.dtype, torch.float32)
     views = _blocks_as_matrices(x, rot) if x.dtype == ct and rot.dtype == ct else None
     if views is None:
@@ -187,11 +189,16 @@ def rotate_blocks(x: torch.Tensor, rot: torch.Tensor, transpose: bool = False) -
     xm, rm, order = views
     # R_m (b x b) times the Z vectors of x as columns: MKL's batched GEMM runs this operand order
     # about twice as fast as x_m R_m^T on these small products
-    out = torch.bmm(rm.transpose(1, 2) if transpose else rm, xm.transpose(1, 2))  # (M, b, Z)
+    out = torch.bmm(rm.transpose(1, 2) if transpose else rm, xm.transpose(1, 2)).transpose(1, 2)  # (M, Z, b)
+    nb, b = rot.shape[-3], rot.shape[-1]
+    blocks = x.unflatten(-1, (nb, b))
+    if not relayout:
+        back = sorted(range(len(order)), key=order.__getitem__)
+        return out.view([blocks.shape[d] for d in order] + [b]).permute(*back, -1).flatten(-2)
     result = torch.empty_like(x)
-    target = result.unflatten(-1, (rot.shape[-3], rot.shape[-1])).permute(*order, -1)
+    target = result.unflatten(-1, (nb, b)).permute(*order, -1)
     try:
-        target.view(xm.shape).copy_(out.transpose(1, 2))
+        target.view(xm.shape).copy_(out)
     except RuntimeError:  # x was not dense: no view of a fresh tensor laid out like it
         return apply_block_rotation(x, rot.transpose(-1, -2) if transpose else rot)
     return result
@@ -271,7 +278,7 @@ _KERNELS: Dict[str, RotationKind] = {
     'pair': RotationKind(lambda x, angle, block: apply_pair_rotation(x, rotation_table(angle)),
                          lambda y, angle, block: apply_pair_rotation(y, rotation_table(-angle))),
     'block': RotationKind(lambda x, rot, block: rotate_blocks(x, rot),
-                          lambda y, rot, block: rotate_blocks(y, rot, transpose=True),
+                          lambda y, rot, block: rotate_blocks(y, rot, transpose=True, relayout=False),
                           param_grads=lambda grad, out, rot, block: (block_rotation_grad_from_output(grad, out, rot),)),
     'fourier': RotationKind(lambda x, angle, block: fourier_rotation(x, rotation_table(angle), block),
                             lambda y, angle, block: fourier_rotation(y, rotation_table(-angle), block)),
