@@ -10,8 +10,9 @@ block-diagonal). What lives here:
   degree-12 Taylor polynomial; closed form for ``2 x 2``), faster than `torch.linalg.matrix_exp`;
 * `linear_exp`: ``exp(sum_d p_d A_d)`` at every position at once: a complex pair table when
   ``b = 2`` (a learned-frequency RoPE, cos / sin in closed form), else ``b x b`` blocks whose Taylor
-  part is one GEMM over monomials of the coordinates followed by a few squarings; in training it is
-  recomputed in backward (`layerwise_exp`: one layer at a time) instead of storing intermediates;
+  part is one GEMM over monomials of the coordinates followed by a few squarings on a structure of
+  arrays (`_soa_matmul`); in training it is recomputed in backward (`layerwise_exp`: one layer at a
+  time) instead of storing intermediates;
 * rotations are applied with `rotary.rotate_qk` (pairs, blocks, FFT), which keeps only the rotated
   output for backward (the input is recovered as ``R^T (R x)``);
 * `RotationPE`: the per-forward state (per-layer rotation tensors, identity rows for prefix tokens,
