@@ -338,53 +338,33 @@ class _SavedOutputRotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         out, *params = ctx.saved_tensors
-        kernels = _KERNELS[ctx.kind]
         if ctx.count == 1:
-            parts = [(grads[0], out)]
-        elif kernels.param_grads is not None:  # stacked like the outputs: the block products see views again
+            grad = grads[0]
+        else:  # stacked like the outputs, so that the kernels see views of it again
             grad = torch.empty_like(out)
             for part, g in zip(grad.unbind(0), grads):
                 part.copy_(g) if g is not None else part.zero_()
-            parts = [(grad, out)]
-        else:  # elementwise kernels gain nothing from a stacked copy of the gradients: one part each
-            parts = [(g, y) for g, y in zip(grads, out.unbind(0))]
-        need_x = any(ctx.needs_input_grad[3:3 + ctx.count])
+        kernels = _KERNELS[ctx.kind]
+        width = _rotated_width(ctx.kind, params, out.shape[-1])
+        g_rot, y_rot = (grad, out) if width == out.shape[-1] else (grad[..., :width], out[..., :width])
+        grads_x = (None,) * ctx.count
+        if any(ctx.needs_input_grad[3:3 + ctx.count]):
+            grad_x = kernels.adjoint(g_rot, *params, ctx.block)
+            if width != out.shape[-1]:
+                grad_x = torch.cat([grad_x, grad[..., width:]], dim=-1)
+            grads_x = (grad_x,) if ctx.count == 1 else tuple(grad_x.unbind(0))
         need = ctx.needs_input_grad[3 + ctx.count:]
-        grads_x, grads_p = [], [None] * len(params)
-        for grad, y in parts:
-            if grad is None:
-                grads_x.append(None)
-                continue
-            gx, gp = _part_backward(kernels, ctx.kind, ctx.block, grad, y, params, need_x, need)
-            grads_x.append(gx)
-            grads_p = [a if b is None else b if a is None else a + b for a, b in zip(grads_p, gp)]
-        if ctx.count > 1 and len(parts) == 1:
-            grads_x = list(grads_x[0].unbind(0)) if grads_x[0] is not None else [None] * ctx.count
+        grads_p = [None] * len(params)
+        if any(need) and kernels.param_grads is not None:
+            grads_p = [g if n else None for g, n in zip(kernels.param_grads(g_rot, y_rot, *params, ctx.block), need)]
+        elif any(need):
+            x = (kernels.inverse or kernels.adjoint)(y_rot, *params, ctx.block)
+            with torch.enable_grad():
+                leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need)]
+                found = iter(torch.autograd.grad(kernels.forward(x, *leaves, ctx.block),
+                                                 [p for p, n in zip(leaves, need) if n], g_rot))
+            grads_p = [next(found) if n else None for n in need]
         return (None, None, None, *grads_x, *grads_p)
-
-
-def _part_backward(kernels: RotationKind, kind: str, block: int, grad: torch.Tensor, out: torch.Tensor,
-                   params: Sequence[torch.Tensor], need_x: bool, need: Sequence[bool]):
-    """Input and parameter gradients of ``out = R x`` from ``grad`` and ``out`` (the rotated channels
-    only; the others pass the gradient through)."""
-    width = _rotated_width(kind, params, out.shape[-1])
-    g_rot, y_rot = (grad, out) if width == out.shape[-1] else (grad[..., :width], out[..., :width])
-    grad_x = None
-    if need_x:
-        grad_x = kernels.adjoint(g_rot, *params, block)
-        if width != out.shape[-1]:
-            grad_x = torch.cat([grad_x, grad[..., width:]], dim=-1)
-    grads_p = [None] * len(params)
-    if any(need) and kernels.param_grads is not None:
-        grads_p = [g if n else None for g, n in zip(kernels.param_grads(g_rot, y_rot, *params, block), need)]
-    elif any(need):
-        x = (kernels.inverse or kernels.adjoint)(y_rot, *params, block)
-        with torch.enable_grad():
-            leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need)]
-            found = iter(torch.autograd.grad(kernels.forward(x, *leaves, block),
-                                             [p for p, n in zip(leaves, need) if n], g_rot))
-        grads_p = [next(found) if n else None for n in need]
-    return grad_x, grads_p
 
 
 def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind: str, block: int
