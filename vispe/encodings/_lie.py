@@ -263,7 +263,7 @@ class _LinearExpBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gen, coords = ctx.saved_tensors
-        b, nb, n = gen.shape[-1], gen.shape[3], coords.shape[-2]
+        n = coords.shape[-2]
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(need) for t, need in zip((gen, coords), ctx.needs_input_grad[:2])]
             taylor = _taylor_soa(*leaves, ctx.squarings, ctx.degree)
@@ -272,7 +272,7 @@ class _LinearExpBlocks(torch.autograd.Function):
         g = grad.transpose(-5, -4).narrow(-5, ctx.num_prefix, n)  # (L', [B,] N, H', nb, b, b)
         at = g.dim() - 5
         g = g.permute(*range(at), at + 1, at + 3, at + 4, at + 2, at).reshape(taylor.shape)
-        spare = [torch.empty_like(taylor), torch.empty_like(taylor)]
+        spare = [torch.empty_like(taylor), torch.empty_like(taylor)] if factors else []
         for i, y in enumerate(reversed(factors)):
             g = _soa_squaring_grad(g, y, out=spare[i % 2])
         found = iter(torch.autograd.grad(taylor, [t for t in leaves if t.requires_grad], g))
