@@ -20,10 +20,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing; vispe comes from the measured root
 
 
 def measure(root: str, encodings: List[str], model: str, batch: int, img: int, rounds: int, train: bool,
@@ -33,6 +33,7 @@ def measure(root: str, encodings: List[str], model: str, batch: int, img: int, r
     import timm
     import torch
     import vispe
+    from _timing import compare, eval_step, train_step  # this checkout's timing helpers, for both sides
     if not os.path.abspath(vispe.__file__).startswith(os.path.abspath(root)):
         raise RuntimeError(f'imported vispe from {vispe.__file__}, not from {root}')
     torch.set_num_threads(1)
@@ -42,39 +43,12 @@ def measure(root: str, encodings: List[str], model: str, batch: int, img: int, r
     for name in ['none'] + encodings:
         torch.manual_seed(0)
         models[name] = timm.create_model(model, pe=name, img_size=img)
-
-    def train_step(m):
-        opt = torch.optim.SGD(m.parameters(), lr=1e-4)
-
-        def step():
-            m.train()
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-            opt.step()
-        return step
-
-    def eval_step(m):
-        def step():
-            m.eval()
-            with torch.no_grad():
-                m(x)
-        return step
-
     result = {}
-    for mode, make, wanted in (('eval', eval_step, evaluate), ('train', train_step, train)):
-        if not wanted:
-            continue
-        steps = {name: make(m) for name, m in models.items()}
-        for step in steps.values():  # warm-up (and, in eval, the cached rotations)
-            step()
-        times: Dict[str, list] = {name: [] for name in steps}
-        for _ in range(rounds):
-            for name, step in steps.items():
-                t0 = time.process_time()
-                step()
-                times[name].append(time.process_time() - t0)
-        base = statistics.median(times['none'])
-        result[mode] = {name: statistics.median(t) / base for name, t in times.items() if name != 'none'}
+    for mode, wanted in (('eval', evaluate), ('train', train)):
+        if wanted:
+            steps = {name: eval_step(m, x) if mode == 'eval' else train_step(m, x, y) for name, m in models.items()}
+            times = compare(steps, rounds=rounds, per_round=1, warmup=1, clock='process')
+            result[mode] = {name: times[name] / times['none'] for name in encodings}
     return result
 
 

@@ -54,9 +54,7 @@ def test_profile_step_reports_each_encoding_against_no_encoding(capsys):
 
 
 def test_ab_overhead_measures_ratios_of_the_given_checkout():
-    import os
     from benchmarks.ab_overhead import ROOT, measure
     ratios = measure(ROOT, ['rope_axial'], 'vit_tiny', batch=2, img=32, rounds=1, train=True, evaluate=True)
     assert set(ratios) == {'eval', 'train'} and set(ratios['train']) == {'rope_axial'}
     assert all(0 < r < 100 for row in ratios.values() for r in row.values())
-    assert os.path.isdir(os.path.join(ROOT, 'vispe'))
