@@ -197,33 +197,38 @@ def _soa_squaring_grad(grad: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -
     return out
 
 
-def _taylor_soa(gen: torch.Tensor, coords: torch.Tensor, squarings: int, degree: int) -> torch.Tensor:
-    """``T(sum_d p_d A_d / 2^s)`` at every position, ``T`` the degree-``degree`` Taylor polynomial
-    written as a polynomial in the coordinates, ``sum_alpha p^alpha S_alpha / (2^(s |alpha|) |alpha|!)``:
-    one GEMM over the monomials (no matrix product per position). Laid out for `_soa_matmul`,
-    ``(L' [B] H', b, b, nb N)``."""
-    exponents, _ = _plan_tensors(gen.shape[0], degree, coords.device, coords.dtype)  # (K, D)
+def _monomials(coords: torch.Tensor, squarings: int, degree: int) -> torch.Tensor:
+    """Taylor coefficients of every position, ``p^alpha / (2^(s |alpha|) |alpha|!)`` for ``|alpha| <=
+    degree`` in `_monomial_plan`'s order: ``([B,] N, K)``. Shared by all layers of a forward."""
+    exponents, _ = _plan_tensors(coords.shape[-1], degree, coords.device, coords.dtype)  # (K, D)
     order = exponents.sum(-1)
     scale = torch.exp2(-squarings * order) / torch.lgamma(order + 1).exp()
-    coef = (coords.unsqueeze(-2) ** exponents).prod(-1) * scale  # ([B,] N, K)
+    return (coords.unsqueeze(-2) ** exponents).prod(-1) * scale
+
+
+def _taylor_soa(gen: torch.Tensor, coef: torch.Tensor, degree: int) -> torch.Tensor:
+    """``T(sum_d p_d A_d / 2^s)`` at every position, ``T`` the degree-``degree`` Taylor polynomial
+    written as a polynomial in the coordinates, ``sum_alpha coef_alpha S_alpha`` (`_monomials`): one
+    GEMM over the monomials (no matrix product per position). Laid out for `_soa_matmul`,
+    ``(L' [B] H', b, b, nb N)``."""
     layers, heads, nb, b = gen.shape[1:5]
     # (L', H', b, b, nb, K) in one copy: the GEMM's rows (H', b, b, nb) give the squarings' layout
     sums = torch.cat([level.permute(1, 2, 4, 5, 3, 0) for level in _word_sums(gen, degree)], dim=-1)
     flat = sums.reshape(layers, heads * b * b * nb, -1)
-    if coords.dim() == 3:  # (L', 1, F, K) x (B, K, N) -> (L', B, F, N)
+    if coef.dim() == 3:  # (L', 1, F, K) x (B, K, N) -> (L', B, F, N)
         y = torch.matmul(flat.unsqueeze(1), coef.transpose(-1, -2))
     else:  # (L', F, K) x (K, N) -> (L', F, N)
         y = torch.matmul(flat, coef.transpose(-1, -2))
     return y.reshape(-1, b, b, nb * coef.shape[-2])
 
 
-def _position_major(y: torch.Tensor, gen: torch.Tensor, coords: torch.Tensor, num_prefix: int) -> torch.Tensor:
+def _position_major(y: torch.Tensor, gen: torch.Tensor, coef: torch.Tensor, num_prefix: int) -> torch.Tensor:
     """`_taylor_soa`-layout blocks as rotations ``(L', [B,] H', N_prefix + N, nb, b, b)`` with identity
     rows for the prefix tokens, laid out position-major ``(L', [B,] N, H', nb, b, b)`` as q and k lie
     in attention, so that `rotary.rotate_blocks` multiplies views of both without copying either."""
     layers, heads, nb, b = gen.shape[1], gen.shape[2], gen.shape[3], gen.shape[-1]
-    lead = (layers,) + tuple(coords.shape[:-2])
-    n = coords.shape[-2]
+    lead = (layers,) + tuple(coef.shape[:-2])
+    n = coef.shape[-2]
     out = y.new_empty(*lead, num_prefix + n, heads, nb, b, b)
     out.narrow(-5, 0, num_prefix).copy_(torch.eye(b, dtype=y.dtype, device=y.device))
     at = len(lead)
@@ -247,26 +252,26 @@ def _squarings_soa(y: torch.Tensor, squarings: int, keep: bool = False) -> Tuple
 
 
 class _LinearExpBlocks(torch.autograd.Function):
-    """`linear_exp` for ``b > 2`` blocks: the Taylor polynomial by one GEMM (`_taylor_soa`), ``s``
-    squarings, the position-major layout. Only the generators and coordinates are kept for backward,
-    which recomputes the Taylor part and the squarings' factors (not the last squaring: its output,
-    the rotation, is what the gradient arrives for) and goes back through each squaring,
-    ``G <- G y^T + y^T G``."""
+    """`linear_exp` for ``b > 2`` blocks from the positions' Taylor coefficients (`_monomials`): the
+    Taylor polynomial by one GEMM (`_taylor_soa`), ``s`` squarings, the position-major layout. Only
+    the generators and coefficients are kept for backward, which recomputes the Taylor part and the
+    squarings' factors (not the last squaring: its output, the rotation, is what the gradient
+    arrives for) and goes back through each squaring, ``G <- G y^T + y^T G``."""
 
     @staticmethod
-    def forward(ctx, gen, coords, squarings, degree, num_prefix):
-        y = _squarings_soa(_taylor_soa(gen, coords, squarings, degree), squarings)[-1]
-        ctx.save_for_backward(gen, coords)
+    def forward(ctx, gen, coef, squarings, degree, num_prefix):
+        y = _squarings_soa(_taylor_soa(gen, coef, degree), squarings)[-1]
+        ctx.save_for_backward(gen, coef)
         ctx.squarings, ctx.degree, ctx.num_prefix = squarings, degree, num_prefix
-        return _position_major(y, gen, coords, num_prefix)
+        return _position_major(y, gen, coef, num_prefix)
 
     @staticmethod
     def backward(ctx, grad):
-        gen, coords = ctx.saved_tensors
-        n = coords.shape[-2]
+        gen, coef = ctx.saved_tensors
+        n = coef.shape[-2]
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((gen, coords), ctx.needs_input_grad[:2])]
-            taylor = _taylor_soa(*leaves, ctx.squarings, ctx.degree)
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((gen, coef), ctx.needs_input_grad[:2])]
+            taylor = _taylor_soa(*leaves, ctx.degree)
         factors = _squarings_soa(taylor.detach(), ctx.squarings - 1, keep=True) if ctx.squarings else ()
         # the rotations' gradient in the Taylor layout (C, b, b, nb N)
         g = grad.transpose(-5, -4).narrow(-5, ctx.num_prefix, n)  # (L', [B,] N, H', nb, b, b)
@@ -313,7 +318,8 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int]
     if num_axes > _MAX_POLY_AXES:
         return pad_identity(expm_skew(axis_sum(coords, gen).contiguous()), num_prefix, 'block')
     squarings = _squarings(gen, coords) if squarings is None else squarings
-    return _LinearExpBlocks.apply(gen, coords, squarings, _poly_degree(num_axes), num_prefix)
+    degree = _poly_degree(num_axes)
+    return _LinearExpBlocks.apply(gen, _monomials(coords, squarings, degree), squarings, degree, num_prefix)
 
 
 def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) -> Rotations:
@@ -321,12 +327,15 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) 
 
     In training with ``b > 2`` each layer is computed (and recomputed in backward) on its own, so the
     backward pass holds one layer's scaling-and-squaring intermediates at a time, not all of them;
-    the number of squarings is found once for all layers.
+    the number of squarings and the positions' Taylor coefficients are found once for all layers.
     """
     if gen.shape[-1] == 2 or not (torch.is_grad_enabled() and gen.requires_grad):
         return linear_exp(gen, coords, num_prefix=num_prefix)
-    squarings = _squarings(gen, coords) if gen.shape[0] <= _MAX_POLY_AXES else None
-    return [linear_exp(g, coords, squarings, num_prefix)[0] for g in gen.split(1, dim=1)]
+    if gen.shape[0] > _MAX_POLY_AXES:
+        return [linear_exp(g, coords, num_prefix=num_prefix)[0] for g in gen.split(1, dim=1)]
+    squarings, degree = _squarings(gen, coords), _poly_degree(gen.shape[0])
+    coef = _monomials(coords, squarings, degree)  # the same for every layer
+    return [_LinearExpBlocks.apply(g, coef, squarings, degree, num_prefix)[0] for g in gen.split(1, dim=1)]
 
 
 def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:
