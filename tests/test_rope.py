@@ -7,7 +7,7 @@ import torch
 
 import vispe
 from vispe.encodings.rotary import apply_pair_rotation, axial_frequencies, rotation_table, scale_frequencies
-from conftest import TINY
+from conftest import TINY, random_qk
 
 
 def _logits(pe, pos, q, k):
@@ -188,3 +188,24 @@ def test_rotation_saves_nothing_per_sample_beyond_no_encoding(pe):
         with_pe = _saved_bytes(timm.create_model('vit_tiny', pe=pe, **TINY).train(), x)
         return with_pe - _saved_bytes(timm.create_model('vit_tiny', pe='none', **TINY).train(), x)
     assert extra(2) == extra(6)
+
+
+@pytest.mark.parametrize('spec', ['string_cayley', 'string_circulant', 'liere:gd=2', 'comrope_ld:jitter=0'])
+def test_eval_state_holds_complex_tables_and_rotates_like_training(spec):
+    """Eval (no gradient, cached state) keeps cos/sin tables instead of angles, so they are not
+    rebuilt in every layer of every forward; the rotated q and k equal the training path's."""
+    name, _, opts = spec.partition(':')
+    kw = dict(o.split('=') for o in opts.split(',') if o)
+    kw = {k: (int(v) if v.isdigit() else v) for k, v in kw.items()}
+    pe = vispe.create_pe(name, dim=32, num_heads=2, depth=2, grid_size=(4, 4), num_prefix_tokens=1, **kw).double()
+    pos = vispe.grid(4, 4, num_prefix=1)
+    q, k = random_qk(pos.num_tokens)
+    pe.train()
+    expected = pe.qk(q, k, pe.prepare(pos), layer=1)
+    pe.eval()
+    with torch.no_grad():
+        state = pe.prepare(pos)
+        got = pe.qk(q, k, state, layer=1)
+    assert any(t.is_complex() for t in torch.utils._pytree.tree_leaves(state) if torch.is_tensor(t))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)

@@ -32,7 +32,7 @@ import torch
 
 from ..positions import Positions
 from .base import PEContext, PositionalEncoding
-from .rotary import compute_dtype, rotate_qk
+from .rotary import angle_tables, compute_dtype, rotate_qk
 
 __all__ = [
     'expm_skew', 'skew', 'skew_from_upper', 'axis_sum', 'linear_exp', 'layerwise_exp', 'pad_identity',
@@ -415,7 +415,8 @@ class RotationPE(PositionalEncoding):
 
     def _layers(self, pos: Positions, batch: Optional[int]) -> Tuple[torch.Tensor, ...]:
         rot = self.rotation(pos, batch)
-        return rot.unbind(0) if torch.is_tensor(rot) else tuple(rot)
+        layers = rot.unbind(0) if torch.is_tensor(rot) else tuple(rot)
+        return angle_tables(layers) if self.rotation_kind in ('pair', 'fourier') else layers
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> RotState:
         if self.per_sample(pos_q) or (pos_k is not None and self.per_sample(pos_k)):

@@ -21,7 +21,7 @@ __all__ = [
     'PairLayout', 'FrequencyScaling', 'axial_frequencies', 'scale_frequencies', 'rotation_table',
     'apply_pair_rotation', 'apply_block_rotation', 'pad_prefix', 'compute_dtype',
     'block_rotation_grad', 'block_rotation_grad_from_output', 'fourier_rotation', 'orthogonal_map', 'rotate_qk',
-    'RotationKind',
+    'RotationKind', 'angle_tables',
 ]
 
 PairLayout = Literal['interleaved', 'half']
@@ -267,24 +267,37 @@ class RotationKind(NamedTuple):
     param_grads: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
 
 
+def _unit(angle: torch.Tensor) -> torch.Tensor:
+    return angle if angle.is_complex() else rotation_table(angle)
+
+
+def angle_tables(angles: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """Per-layer rotation angles as their unit complex tables when no gradient is wanted (eval,
+    where the state is cached: cos / sin once, not in every layer of every forward); unchanged
+    otherwise."""
+    if torch.is_grad_enabled():
+        return tuple(angles)
+    return tuple(rotation_table(a) for a in angles)
+
+
 # ``table``: a complex pair table as RoPE builds it (YaRN scales its magnitude, so there
-# R^-1 != R^T). ``pair`` / ``fourier``: real angles, the unit complex table rebuilt on use (training
-# keeps half the bytes per rotation). ``block``: b x b matrices. ``mixed_pair``: Cayley-STRING's
-# RoPE(r) P x, P orthogonal and dense per head.
+# R^-1 != R^T). ``pair`` / ``fourier``: real angles (training keeps half the bytes per rotation), or
+# their unit complex table (`angle_tables`: eval, built once into the cached state). ``block``:
+# b x b matrices. ``mixed_pair``: Cayley-STRING's RoPE(r) P x, P orthogonal and dense per head.
 _KERNELS: Dict[str, RotationKind] = {
     'table': RotationKind(lambda x, table, block: apply_pair_rotation(x, table),
                           lambda y, table, block: apply_pair_rotation(y, table.conj()),
                           lambda y, table, block: apply_pair_rotation(y, table.reciprocal())),
-    'pair': RotationKind(lambda x, angle, block: apply_pair_rotation(x, rotation_table(angle)),
-                         lambda y, angle, block: apply_pair_rotation(y, rotation_table(-angle))),
+    'pair': RotationKind(lambda x, angle, block: apply_pair_rotation(x, _unit(angle)),
+                         lambda y, angle, block: apply_pair_rotation(y, _unit(angle).conj())),
     'block': RotationKind(lambda x, rot, block: rotate_blocks(x, rot),
                           lambda y, rot, block: rotate_blocks(y, rot, transpose=True, relayout=False),
                           param_grads=lambda grad, out, rot, block: (block_rotation_grad_from_output(grad, out, rot),)),
-    'fourier': RotationKind(lambda x, angle, block: fourier_rotation(x, rotation_table(angle), block),
-                            lambda y, angle, block: fourier_rotation(y, rotation_table(-angle), block)),
+    'fourier': RotationKind(lambda x, angle, block: fourier_rotation(x, _unit(angle), block),
+                            lambda y, angle, block: fourier_rotation(y, _unit(angle).conj(), block)),
     'mixed_pair': RotationKind(
-        lambda x, mix, angle, block: apply_pair_rotation(_mix(x, mix), rotation_table(angle)).to(x.dtype),
-        lambda y, mix, angle, block: (apply_pair_rotation(y, rotation_table(-angle)).to(mix.dtype) @ mix).to(y.dtype)),
+        lambda x, mix, angle, block: apply_pair_rotation(_mix(x, mix), _unit(angle)).to(x.dtype),
+        lambda y, mix, angle, block: (apply_pair_rotation(y, _unit(angle).conj()).to(mix.dtype) @ mix).to(y.dtype)),
 }
 
 

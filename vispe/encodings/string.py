@@ -20,7 +20,7 @@ from ._lie import (
 )
 from .base import PEContext, PositionalEncoding, resolve_num_axes
 from .rope import RopeMixed
-from .rotary import compute_dtype, rotate_qk
+from .rotary import angle_tables, compute_dtype, rotate_qk
 
 __all__ = ['StringCayley', 'StringCirculant']
 
@@ -98,8 +98,8 @@ class StringCayley(PositionalEncoding):
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]):
         # per-layer tensors: indexing one (L, ...) tensor per layer would build full-size gradients
         mix = None if bool(self.folded) else self.orthogonal().unbind(0)
-        angle_q = self.angles(pos_q).unbind(0)
-        return mix, angle_q, (angle_q if pos_k is None else self.angles(pos_k).unbind(0))
+        angle_q = angle_tables(self.angles(pos_q).unbind(0))
+        return mix, angle_q, (angle_q if pos_k is None else angle_tables(self.angles(pos_k).unbind(0)))
 
     def qk(self, q, k, state, layer, x=None):
         mix, angle_q, angle_k = state
