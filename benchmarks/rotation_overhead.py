@@ -3,7 +3,9 @@
 Prints, for each encoding, the eval forward time, the train step time (forward, backward, SGD step)
 and the peak memory of a train step as ratios against the same ViT with ``pe='none'``, measured in
 this process with interleaved rounds (`_timing.compare`). Targets (issue #3, ViT-B/16, 224, batch 8,
-CPU): eval <= 1.05x, train <= 1.15x, peak memory <= 1.10x.
+CPU): eval <= 1.05x, train <= 1.15x, peak memory <= 1.10x. A second, identical ``pe='none'`` model
+is timed in the same rounds (row ``none (control)``): its ratio, 1.000x on a quiet machine, is the
+resolution of this run.
 
 It then times a BASELINE that reproduces how the original ComRoPE code applies these rotations:
 every attention layer exponentiates per sample (a ``(B, N, H, hd/b, b, b)`` batch of
@@ -41,6 +43,8 @@ BASELINE_SPECS = ['comrope_ld', 'comrope_ap:block=8', 'liere']
 # fixed-frequency RoPE: the cost any q/k rotation has (attention keeps the rotated q and k for backward)
 REFERENCE = 'rope_axial'
 FOLDED = 'string_cayley folded (eval)'
+# a second pe='none' model timed in the same rounds: its ratio is this run's noise floor
+CONTROL = 'none (control)'
 TARGETS = {'eval': 1.05, 'train': 1.15, 'memory': 1.10}
 
 
@@ -130,6 +134,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument('--no-train', action='store_true', help='skip the train-step timing')
     parser.add_argument('--no-baseline', action='store_true', help='skip the dense per-sample baseline')
     parser.add_argument('--no-reference', action='store_true', help=f'skip the {REFERENCE} reference row')
+    parser.add_argument('--no-control', action='store_true', help=f"skip the '{CONTROL}' row")
     parser.add_argument('--baseline-train', action='store_true', help='also time the baseline train step (slow)')
     args = parser.parse_args(argv)
 
@@ -147,6 +152,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     y = torch.randint(0, 1000, (args.batch,))
     names = ['none'] + specs + ([] if args.no_reference else [REFERENCE])
     models = {name: make_model(args.model, name, args.img) for name in names}
+    if not args.no_control:
+        models[CONTROL] = make_model(args.model, 'none', args.img)
 
     memory: Dict[str, int] = {}
     if not args.no_memory:  # first, in children forked from a parent that has not run anything yet
@@ -167,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         t_train = compare(steps, rounds=rounds_train, per_round=1, warmup=1, clock=args.clock)
 
     rows = [['encoding', 'eval', 'train', 'peak mem', 'eval s', 'train s', 'within targets']]
-    for name in list(names) + ([FOLDED] if FOLDED in evals else []):
+    for name in list(names) + [n for n in (FOLDED, CONTROL) if n in evals]:
         ratios = {'eval': t_eval[name] / t_eval['none']}
         if name in t_train:
             ratios['train'] = t_train[name] / t_train['none']

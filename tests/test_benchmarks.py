@@ -31,7 +31,9 @@ def test_rotation_overhead_runs_and_checks_the_dense_baseline(capsys):
     from benchmarks.rotation_overhead import main
     main(['--model', 'vit_tiny', '--batch', '2', '--img', '32', '--quick', '--encodings', 'liere,comrope_ld'])
     out = capsys.readouterr().out
-    assert 'string_cayley' not in out.split('BASELINE')[0].split('ratios')[1]  # only what was asked
+    ratios = out.split('BASELINE')[0].split('ratios')[1]
+    assert 'string_cayley' not in ratios  # only what was asked
+    assert 'none (control)' in ratios  # the run's noise floor, next to the encodings
     for spec in ('liere', 'comrope_ld'):
         row = next(line for line in out.split('BASELINE')[1].splitlines() if line.startswith(spec))
         assert float(row.split()[-1]) < 1e-4  # the dense per-sample baseline computes the same function

@@ -40,36 +40,32 @@ def test_expm_skew_of_2x2_blocks_is_a_plane_rotation():
     torch.testing.assert_close(expm_skew(a), expected)
 
 
+def _rotation_case(kind):
+    """Parameters of a rotation of ``kind`` for ``x`` ``(B=2, H=3, N=5, hd=8)`` and its formula."""
+    angle = torch.randn(3, 5, 4, dtype=torch.float64)
+    if kind in ('table', 'yarn_table'):  # RoPE's complex table; YaRN scales it by a temperature != 1
+        magnitude = 1.0 if kind == 'table' else 1.2
+        return 'table', (torch.polar(torch.full_like(angle, magnitude), angle),), apply_pair_rotation
+    if kind == 'pair':
+        return kind, (angle,), lambda v, a: apply_pair_rotation(v, torch.polar(torch.ones_like(a), a))
+    if kind == 'block':
+        a = torch.randn(5, 3, 2, 4, 4, dtype=torch.float64)  # position-major, as LieRE / ComRoPE lay them out
+        return kind, (torch.linalg.matrix_exp(a - a.transpose(-1, -2)).transpose(0, 1),), apply_block_rotation
+    if kind == 'fourier':  # two circulant blocks of 4: 3 real-FFT bins each, DC and Nyquist unrotated
+        table = torch.randn(3, 5, 6, dtype=torch.float64) * torch.tensor([0.0, 1.0, 0.0]).repeat(2)
+        return kind, (table,), lambda v, a: fourier_rotation(v, torch.polar(torch.ones_like(a), a), 4)
+    s = torch.randn(3, 8, 8, dtype=torch.float64)  # RoPE(r) P x with a dense orthogonal P per head
+
+    def direct(v, p, a):
+        return apply_pair_rotation(v @ p.transpose(-1, -2), torch.polar(torch.ones_like(a), a))
+    return kind, (torch.linalg.matrix_exp(s - s.transpose(-1, -2)), angle), direct
+
+
 @pytest.mark.parametrize('kind', ['pair', 'table', 'yarn_table', 'block', 'fourier', 'mixed_pair'])
 def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
     """The training path recovers x = R^-1 (R x) in backward instead of saving x: same gradients."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
-    angle = torch.randn(3, 5, 4, dtype=torch.float64)
-    if kind in ('table', 'yarn_table'):  # RoPE's complex table; YaRN scales it by a temperature != 1
-        magnitude = 1.0 if kind == 'table' else 1.2
-        params = (torch.polar(torch.full_like(angle, magnitude), angle),)
-        kind = 'table'
-        direct = apply_pair_rotation
-    elif kind == 'pair':
-        params = (angle,)
-
-        def direct(v, a):
-            return apply_pair_rotation(v, torch.polar(torch.ones_like(a), a))
-    elif kind == 'block':
-        a = torch.randn(3, 5, 2, 4, 4, dtype=torch.float64)
-        params = (torch.linalg.matrix_exp(a - a.transpose(-1, -2)),)
-        direct = apply_block_rotation
-    elif kind == 'fourier':  # two circulant blocks of 4: 3 real-FFT bins each, DC and Nyquist unrotated
-        params = (torch.randn(3, 5, 6, dtype=torch.float64) * torch.tensor([0.0, 1.0, 0.0]).repeat(2),)
-
-        def direct(v, a):
-            return fourier_rotation(v, torch.polar(torch.ones_like(a), a), 4)
-    else:  # RoPE(r) P x with a dense orthogonal P per head
-        s = torch.randn(3, 8, 8, dtype=torch.float64)
-        params = (torch.linalg.matrix_exp(s - s.transpose(-1, -2)), angle)
-
-        def direct(v, p, a):
-            return apply_pair_rotation(v @ p.transpose(-1, -2), torch.polar(torch.ones_like(a), a))
+    kind, params, direct = _rotation_case(kind)
     params = tuple(p.requires_grad_() for p in params)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
@@ -81,6 +77,21 @@ def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
     torch.testing.assert_close(out, direct(x, *params))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize('kind', ['pair', 'table', 'block', 'fourier', 'mixed_pair'])
+def test_inference_rotates_q_and_k_of_a_fused_projection(kind):
+    """Without autograd, q and k sliced from one qkv projection are read as one view of it (no
+    stacked copy for the kinds that allow it): the formula's values, in the projection's memory
+    order (token-major, so that attention's output needs no relayout)."""
+    qkv = torch.randn(2, 5, 3, 3, 8, dtype=torch.float64)  # (B, N, q/k/v, H, hd)
+    q, k, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    kind, params, direct = _rotation_case(kind)
+    with torch.no_grad():
+        q2, k2 = rotate_qk(q, k, params, params, kind, block=4)
+    torch.testing.assert_close(q2, direct(q, *params))
+    torch.testing.assert_close(k2, direct(k, *params))
+    assert q2.stride(2) > q2.stride(1), 'tokens outside heads, as in the projection'
 
 
 @pytest.mark.parametrize('width', [16, 12])  # all channels in blocks / the last 4 passing through

@@ -12,6 +12,7 @@ Two pair layouts exist in the field:
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Dict, Literal, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -249,8 +250,57 @@ def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.
     return torch.fft.irfft(spectrum, n=block, dim=-1).flatten(-2).to(x.dtype)
 
 
+def _flat_view(x: torch.Tensor, groups: Sequence[Sequence[int]]) -> Optional[torch.Tensor]:
+    """``x`` permuted to ``(*groups, channels)`` with each group of dims flattened, as a view, or None."""
+    order = [d for g in groups for d in g] + [x.dim() - 1]
+    try:
+        return x.permute(order).view(*(math.prod(x.shape[d] for d in g) for g in groups), x.shape[-1])
+    except RuntimeError:
+        return None
+
+
 def _mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
-    return x.to(mix.dtype) @ mix.transpose(-1, -2)
+    """``P x`` with one dense ``P`` per head: ``x`` ``(..., H, N, hd)``, ``mix`` ``(H, hd, hd)``.
+
+    One batched product, batch: the head and whichever dims before it flatten with it; rows: the
+    other dims, tokens included. On a view of ``x`` (q and k stacked as a view of their fused
+    projection: batch (q/k, head), rows (sample, token)), written in ``x``'s memory order so that
+    attention's output keeps the projection's layout; matmul (which copies ``x``) if no view exists.
+    """
+    x = x.to(mix.dtype)
+    head, hd = x.dim() - 3, x.shape[-1]
+    others = [d for d in range(head) if x.shape[d] != 1]
+    candidates = sorted((c for n in range(len(others) + 1) for c in itertools.combinations(others, n)),
+                        key=lambda c: math.prod(x.shape[d] for d in c))  # fewest copies of P first
+    for extra in candidates:
+        batch = sorted([head, *extra], key=lambda d: -x.stride(d))
+        rows = sorted((d for d in range(x.dim() - 1) if d not in batch), key=lambda d: -x.stride(d))
+        xm = _flat_view(x, [batch, rows])
+        if xm is None:
+            continue
+        sizes = [x.shape[d] if d in extra else 1 for d in range(head)]
+        mats = mix.transpose(-1, -2).expand(*sizes, *mix.shape)
+        mats = mats.permute(*batch, *(d for d in range(head) if d not in batch), -2, -1).reshape(-1, hd, hd)
+        out = torch.empty_like(x)
+        target = _flat_view(out, [batch, rows])
+        if target is None or (torch.is_grad_enabled() and (x.requires_grad or mix.requires_grad)):
+            # autograd cannot write into out=: the product's own layout, permuted back
+            order = batch + rows
+            y = torch.bmm(xm, mats).view(*(x.shape[d] for d in order), hd)
+            return y.permute(*sorted(range(len(order)), key=order.__getitem__), -1)
+        torch.bmm(xm, mats, out=target)
+        return out
+    return x @ mix.transpose(-1, -2)
+
+
+def _mixed_pair(x: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Cayley-STRING's ``RoPE(r) P x``; the pair rotation in place unless autograd tracks ``P x``."""
+    y = _mix(x, mix)
+    if torch.is_grad_enabled() and y.requires_grad:
+        return apply_pair_rotation(y, _unit(angle)).to(x.dtype)
+    torch.view_as_complex(y.unflatten(-1, (-1, 2))).mul_(_unit(angle).to(
+        torch.complex128 if y.dtype == torch.float64 else torch.complex64))
+    return y.to(x.dtype)
 
 
 Kernel = Callable[..., torch.Tensor]
@@ -260,11 +310,14 @@ class RotationKind(NamedTuple):
     """How one kind of rotation is applied: ``R x``, ``R^T y``, ``R^-1 y`` (None: ``R^T``, the
     rotation is orthogonal) and, optionally, the parameters' gradients from the rotated output,
     ``(grad, R x, *params, block) -> grads`` (None: ``x`` is recovered as ``R^-1 (R x)`` and autograd
-    runs through ``forward``)."""
+    runs through ``forward``). ``reads_views``: in inference, ``forward`` reads q and k as one view
+    of their fused projection instead of a stacked copy (False for ``block``, whose batched products
+    need the stack dim outermost)."""
     forward: Kernel
     adjoint: Kernel
     inverse: Optional[Kernel] = None
     param_grads: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
+    reads_views: bool = True
 
 
 def _unit(angle: torch.Tensor) -> torch.Tensor:
@@ -292,12 +345,14 @@ _KERNELS: Dict[str, RotationKind] = {
                          lambda y, angle, block: apply_pair_rotation(y, _unit(angle).conj())),
     'block': RotationKind(lambda x, rot, block: rotate_blocks(x, rot),
                           lambda y, rot, block: rotate_blocks(y, rot, transpose=True, relayout=False),
-                          param_grads=lambda grad, out, rot, block: (block_rotation_grad_from_output(grad, out, rot),)),
+                          param_grads=lambda grad, out, rot, block: (block_rotation_grad_from_output(grad, out, rot),),
+                          reads_views=False),
     'fourier': RotationKind(lambda x, angle, block: fourier_rotation(x, _unit(angle), block),
-                            lambda y, angle, block: fourier_rotation(y, _unit(angle).conj(), block)),
+                            lambda y, angle, block: fourier_rotation(y, _unit(angle).conj(), block),
+                            reads_views=False),
     'mixed_pair': RotationKind(
-        lambda x, mix, angle, block: apply_pair_rotation(_mix(x, mix), _unit(angle)).to(x.dtype),
-        lambda y, mix, angle, block: (apply_pair_rotation(y, _unit(angle).conj()).to(mix.dtype) @ mix).to(y.dtype)),
+        lambda x, mix, angle, block: _mixed_pair(x, mix, angle),
+        lambda y, mix, angle, block: _mix(apply_pair_rotation(y, _unit(angle).conj()), mix.transpose(-1, -2)).to(y.dtype)),
 }
 
 
@@ -307,12 +362,29 @@ def _rotated_width(kind: str, params: Sequence[torch.Tensor], hd: int) -> int:
     return params[0].shape[-3] * params[0].shape[-1] if kind == 'block' else hd
 
 
-def _stack(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+def _stacked_view(inputs: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The inputs as one ``(n, ...)`` view of their storage when they are equally spaced slices of
+    it with equal strides (q and k of a fused qkv projection), else None."""
+    first = inputs[0]
+    step = inputs[1].storage_offset() - first.storage_offset()
+    if step <= 0 or any(
+            t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+            or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or t.storage_offset() != first.storage_offset() + i * step for i, t in enumerate(inputs)):
+        return None
+    return first.as_strided((len(inputs), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def _stack(inputs: Sequence[torch.Tensor], as_view: bool = False) -> torch.Tensor:
     """``stack(inputs)`` laid out in the first one's memory order (a fused qkv projection gives q as
-    (B, N, H, hd) under its (B, H, N, hd) view), which the kernels and so attention's output keep."""
+    (B, N, H, hd) under its (B, H, N, hd) view), which the kernels and so attention's output keep;
+    with ``as_view``, no copy at all where `_stacked_view` finds one."""
     if len(inputs) == 1:
         return inputs[0]
     first = inputs[0]
+    view = _stacked_view(inputs) if as_view else None
+    if view is not None:
+        return view
     order = sorted(range(first.dim() - 1), key=lambda d: -first.stride(d)) + [first.dim() - 1]  # channels last
     back = [1 + order.index(d) for d in range(first.dim())]
     return torch.stack([t.permute(order) for t in inputs]).permute(0, *back)
@@ -385,7 +457,7 @@ def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)):
         out = _SavedOutputRotation.apply(kind, block, len(inputs), *inputs, *params)
         return (out,) if len(inputs) == 1 else out
-    out = _forward(kind, block, _stack(inputs), params, keep_layout=False)
+    out = _forward(kind, block, _stack(inputs, as_view=_KERNELS[kind].reads_views), params, keep_layout=False)
     return (out,) if len(inputs) == 1 else out.unbind(0)
 
 
