@@ -55,13 +55,20 @@ def _rotation_case(kind):
         table = torch.randn(3, 5, 6, dtype=torch.float64) * torch.tensor([0.0, 1.0, 0.0]).repeat(2)
         return kind, (table,), lambda v, a: fourier_rotation(v, torch.polar(torch.ones_like(a), a), 4)
     s = torch.randn(3, 8, 8, dtype=torch.float64)  # RoPE(r) P x with a dense orthogonal P per head
+    mix = torch.linalg.matrix_exp(s - s.transpose(-1, -2))
+    if kind == 'mixed_table':  # the angles given as their complex table
+        return 'mixed_pair', (mix, torch.polar(torch.ones_like(angle), angle)), \
+            lambda v, p, t: apply_pair_rotation(v @ p.transpose(-1, -2), t)
 
     def direct(v, p, a):
         return apply_pair_rotation(v @ p.transpose(-1, -2), torch.polar(torch.ones_like(a), a))
-    return kind, (torch.linalg.matrix_exp(s - s.transpose(-1, -2)), angle), direct
+    return kind, (mix, angle), direct
 
 
-@pytest.mark.parametrize('kind', ['pair', 'table', 'yarn_table', 'block', 'fourier', 'mixed_pair'])
+KINDS = ['pair', 'table', 'yarn_table', 'block', 'fourier', 'mixed_pair', 'mixed_table']
+
+
+@pytest.mark.parametrize('kind', KINDS)
 def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
     """The training path recovers x = R^-1 (R x) in backward instead of saving x: same gradients."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
@@ -75,6 +82,19 @@ def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
     got = torch.autograd.grad((out * weight).sum(), (x, *params))
     expected = torch.autograd.grad((direct(x, *params) * weight).sum(), (x, *params))
     torch.testing.assert_close(out, direct(x, *params))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_orthogonal_map_backward_takes_an_expanded_gradient(kind):
+    """``out.sum()`` hands backward a stride-0 gradient (no complex view of it exists): the same
+    gradients as the formula's."""
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    kind, params, direct = _rotation_case(kind)
+    params = tuple(p.requires_grad_() for p in params)
+    got = torch.autograd.grad(orthogonal_map(x, kind, *params, block=4).sum(), (x, *params))
+    expected = torch.autograd.grad(direct(x, *params).sum(), (x, *params))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
 

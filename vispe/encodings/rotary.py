@@ -293,12 +293,41 @@ def _mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     return x @ mix.transpose(-1, -2)
 
 
+def _head_outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum_z a_z b_z^T`` per head over every other dim: ``(..., H, N, d)`` twice -> ``(H, d, d)``,
+    one batched product on views when both are laid out alike, einsum otherwise."""
+    head = a.dim() - 3
+    rows = sorted((d for d in range(a.dim() - 1) if d != head), key=lambda d: -a.stride(d))
+    am, bm = _flat_view(a, [[head], rows]), _flat_view(b, [[head], rows])
+    if am is None or bm is None:
+        return torch.einsum('...hni,...hnj->hij', a, b)
+    return torch.bmm(am.transpose(1, 2), bm)
+
+
+def _mixed_pair_grads(grad: torch.Tensor, out: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``P`` and the angles from ``y = RoPE(r) P x`` itself: with ``h = RoPE^T g`` and
+    ``u = RoPE^T y = P x``, ``grad_P = sum_z h_z x_z^T = (sum_z h_z u_z^T) P``; per pair, with
+    ``y = u e^(i angle)``, ``grad_angle = Re(conj(g) i y)``, summed where the angles broadcast
+    (a complex table gets ``g conj(u)``, autograd's convention)."""
+    unit = _unit(angle).conj()
+    h, u = apply_pair_rotation(grad, unit), apply_pair_rotation(out, unit)
+    grad_mix = _head_outer(h.to(mix.dtype), u.to(mix.dtype)) @ mix
+    ct = torch.promote_types(out.dtype, torch.float32)
+    g_c = torch.view_as_complex(grad.to(ct).unflatten(-1, (-1, 2)))
+    if angle.is_complex():
+        grad_angle = g_c * torch.view_as_complex(u.to(ct).unflatten(-1, (-1, 2))).conj()
+    else:
+        grad_angle = (g_c.conj() * torch.view_as_complex(out.to(ct).unflatten(-1, (-1, 2)))).imag.neg()
+    return grad_mix, grad_angle.sum_to_size(angle.shape).to(angle.dtype)
+
+
 def _mixed_pair(x: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
     """Cayley-STRING's ``RoPE(r) P x``; the pair rotation in place unless autograd tracks ``P x``."""
     y = _mix(x, mix)
     if torch.is_grad_enabled() and y.requires_grad:
         return apply_pair_rotation(y, _unit(angle)).to(x.dtype)
-    torch.view_as_complex(y.unflatten(-1, (-1, 2))).mul_(_unit(angle).to(
+    torch.view_as_complex(y.unflatten(-1, (-1, 2))).mul_(_unit(angle).to(  # y is fresh and dense
         torch.complex128 if y.dtype == torch.float64 else torch.complex64))
     return y.to(x.dtype)
 
@@ -352,7 +381,8 @@ _KERNELS: Dict[str, RotationKind] = {
                             reads_views=False),
     'mixed_pair': RotationKind(
         lambda x, mix, angle, block: _mixed_pair(x, mix, angle),
-        lambda y, mix, angle, block: _mix(apply_pair_rotation(y, _unit(angle).conj()), mix.transpose(-1, -2)).to(y.dtype)),
+        lambda y, mix, angle, block: _mix(apply_pair_rotation(y, _unit(angle).conj()), mix.transpose(-1, -2)).to(y.dtype),
+        param_grads=lambda grad, out, mix, angle, block: _mixed_pair_grads(grad, out, mix, angle)),
 }
 
 
@@ -423,8 +453,8 @@ class _SavedOutputRotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         out, *params = ctx.saved_tensors
-        if ctx.count == 1:
-            grad = grads[0]
+        if ctx.count == 1:  # an expanded gradient (of a sum) has no complex view: materialise it
+            grad = grads[0] if 0 not in grads[0].stride() else torch.empty_like(out).copy_(grads[0])
         else:  # stacked like the outputs, so that the kernels see views of it again
             grad = torch.empty_like(out)
             for part, g in zip(grad.unbind(0), grads):
