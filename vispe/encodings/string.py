@@ -43,8 +43,9 @@ class StringCayley(PositionalEncoding):
 
     Cost: one batched solve per forward gives every layer's and head's ``P`` (``(L, H, hd, hd)``),
     one angle table serves all layers; per attention q and k are multiplied by ``P`` (a dense
-    ``hd x hd`` product per token) and rotated in pairs, in one memory-lean map (backward recovers
-    q from ``R q`` instead of keeping ``P q``). For inference `fold_into` multiplies ``P``
+    ``hd x hd`` product per token) and rotated in pairs, in one memory-lean map (backward takes
+    ``P``'s and the angles' gradients from ``R q`` instead of keeping ``P q``); in inference q and k
+    are read as a view of the fused qkv projection. For inference `fold_into` multiplies ``P``
     into the q/k projection weights, leaving a plain learned-frequency RoPE at run time.
 
     Args:
