@@ -102,6 +102,11 @@ def pad_prefix(table: torch.Tensor, num_prefix: int, dim: int = -2) -> torch.Ten
     return torch.cat([ones, table], dim=dim)
 
 
+def _pairs(x: torch.Tensor) -> torch.Tensor:
+    """Real ``(..., 2P)`` (in at least float32) as complex interleaved pairs ``(..., P)``, a view."""
+    return torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
+
+
 def apply_pair_rotation(x: torch.Tensor, rot: torch.Tensor, layout: PairLayout = 'interleaved') -> torch.Tensor:
     """Rotate channel pairs of ``x`` (``(..., N, hd)``) by the complex table ``rot`` (``(..., N, P)``).
 
@@ -118,8 +123,7 @@ def apply_pair_rotation(x: torch.Tensor, rot: torch.Tensor, layout: PairLayout =
         raise ValueError(f'rotation has {pairs} pairs but head dim is {hd}')
     if layout == 'interleaved':
         rotated, rest = (x, None) if 2 * pairs == hd else (x[..., :2 * pairs], x[..., 2 * pairs:])
-        xc = torch.view_as_complex(rotated.to(ct).reshape(*rotated.shape[:-1], pairs, 2))
-        out = torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
+        out = torch.view_as_real(_pairs(rotated) * rot).flatten(-2).to(x.dtype)
     elif layout == 'half':  # GPT-NeoX partial rotary: the first 2P channels, pairs (j, j + P)
         rotated, rest = (x, None) if 2 * pairs == hd else (x[..., :2 * pairs], x[..., 2 * pairs:])
         x1, x2 = rotated[..., :pairs].to(ct), rotated[..., pairs:].to(ct)
@@ -313,12 +317,10 @@ def _mixed_pair_grads(grad: torch.Tensor, out: torch.Tensor, mix: torch.Tensor, 
     unit = _unit(angle).conj()
     h, u = apply_pair_rotation(grad, unit), apply_pair_rotation(out, unit)
     grad_mix = _head_outer(h.to(mix.dtype), u.to(mix.dtype)) @ mix
-    ct = torch.promote_types(out.dtype, torch.float32)
-    g_c = torch.view_as_complex(grad.to(ct).unflatten(-1, (-1, 2)))
     if angle.is_complex():
-        grad_angle = g_c * torch.view_as_complex(u.to(ct).unflatten(-1, (-1, 2))).conj()
+        grad_angle = _pairs(grad) * _pairs(u).conj()
     else:
-        grad_angle = (g_c.conj() * torch.view_as_complex(out.to(ct).unflatten(-1, (-1, 2)))).imag.neg()
+        grad_angle = (_pairs(grad).conj() * _pairs(out)).imag.neg()
     return grad_mix, grad_angle.sum_to_size(angle.shape).to(angle.dtype)
 
 
@@ -327,8 +329,8 @@ def _mixed_pair(x: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor) -> torc
     y = _mix(x, mix)
     if torch.is_grad_enabled() and y.requires_grad:
         return apply_pair_rotation(y, _unit(angle)).to(x.dtype)
-    torch.view_as_complex(y.unflatten(-1, (-1, 2))).mul_(_unit(angle).to(  # y is fresh and dense
-        torch.complex128 if y.dtype == torch.float64 else torch.complex64))
+    pairs = _pairs(y)  # y is fresh, dense and float (mix's dtype): a view, rotated in place
+    pairs.mul_(_unit(angle).to(pairs.dtype))
     return y.to(x.dtype)
 
 
