@@ -196,13 +196,18 @@ class ComposedPE(PositionalEncoding):
     """Several encodings acting together (``'rope_mixed+learned'``): every hook of each one runs.
 
     Embeddings add, q/k and value maps chain in order, biases add, output maps chain in reverse
-    order (so a value transform and its output inverse nest correctly).
+    order (so a value transform and its output inverse nest correctly). An encoding that widens q,
+    k and v (``changes_head_dim``: PaPE appends its position channels) maps them after the others,
+    whose maps and biases are defined on the head width, and biases read the original channels.
     """
 
     def __init__(self, ctx: PEContext, encodings: Sequence[PositionalEncoding]) -> None:
         super().__init__(ctx)
         self.encodings = nn.ModuleList(encodings)
         self.name = '+'.join(e.name for e in encodings)
+        # the execution order of the q/k and value maps (output maps run it backwards); the module
+        # list keeps the spec's order, which names the parameters
+        self._order = sorted(range(len(encodings)), key=lambda i: encodings[i].changes_head_dim)
 
     @property
     def hooks(self) -> FrozenSet[str]:
@@ -244,11 +249,13 @@ class ComposedPE(PositionalEncoding):
         return x
 
     def qk(self, q, k, state, layer, x=None):
-        for e, s in zip(self.encodings, state):
-            q, k = e.qk(q, k, s, layer, x=x)
+        for i in self._order:
+            q, k = self.encodings[i].qk(q, k, state[i], layer, x=x)
         return q, k
 
     def bias(self, q, k, state, layer):
+        hd = self.ctx.head_dim
+        q, k = q[..., :hd], k[..., :hd]  # a widening encoding appends its channels after these
         total = None
         for e, s in zip(self.encodings, state):
             b = e.bias(q, k, s, layer)
@@ -257,13 +264,13 @@ class ComposedPE(PositionalEncoding):
         return total
 
     def value(self, v, state, layer):
-        for e, s in zip(self.encodings, state):
-            v = e.value(v, s, layer)
+        for i in self._order:
+            v = self.encodings[i].value(v, state[i], layer)
         return v
 
     def output(self, o, state, layer):
-        for e, s in zip(reversed(self.encodings), reversed(state)):
-            o = e.output(o, s, layer)
+        for i in reversed(self._order):
+            o = self.encodings[i].output(o, state[i], layer)
         return o
 
     def weights_value(self, attn, state, layer):

@@ -103,8 +103,14 @@ def pad_prefix(table: torch.Tensor, num_prefix: int, dim: int = -2) -> torch.Ten
 
 
 def _pairs(x: torch.Tensor) -> torch.Tensor:
-    """Real ``(..., 2P)`` (in at least float32) as complex interleaved pairs ``(..., P)``, a view."""
-    return torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
+    """Real ``(..., 2P)`` (in at least float32) as complex interleaved pairs ``(..., P)``: a view
+    where the layout allows one (channels at stride 1, every other stride and the offset even, as
+    in q and k of a fused projection), a dense copy otherwise (a gradient of a transposed or
+    strided product, a host's own projection layout)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
+        x = x.clone(memory_format=torch.contiguous_format)
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
 
 
 def apply_pair_rotation(x: torch.Tensor, rot: torch.Tensor, layout: PairLayout = 'interleaved') -> torch.Tensor:
@@ -414,7 +420,8 @@ def _stack(inputs: Sequence[torch.Tensor], as_view: bool = False) -> torch.Tenso
     if len(inputs) == 1:
         return inputs[0]
     first = inputs[0]
-    view = _stacked_view(inputs) if as_view else None
+    # storage pointers and offsets do not trace; compiled, the stack fuses into the kernel anyway
+    view = _stacked_view(inputs) if as_view and not torch.compiler.is_compiling() else None
     if view is not None:
         return view
     order = sorted(range(first.dim() - 1), key=lambda d: -first.stride(d)) + [first.dim() - 1]  # channels last
