@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._timing import compare  # noqa: E402
-from models.nerf import CoordinateMLP, NeRF, image_coordinates  # noqa: E402
+from vispe_models.nerf import CoordinateMLP, NeRF, image_coordinates  # noqa: E402
 
 DEFAULT_ENCODINGS = ['none', 'nerf_freq:levels=10', 'fourier_gaussian:scale=10', 'fourier_learnable:gamma=0.1']
 

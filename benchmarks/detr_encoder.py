@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vispe  # noqa: E402
 from benchmarks._timing import compare  # noqa: E402
-from models.detr import DETR  # noqa: E402
+from vispe_models.detr import DETR  # noqa: E402
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ import torchvision
 from torchvision.ops import generalized_box_iou
 
 import vispe
-from models.detection_data import CocoEvaluator, SyntheticShapes, collate_detection
-from models.detr import DETR, HungarianMatcher, SetCriterion, postprocess
+from vispe_models.detection_data import CocoEvaluator, SyntheticShapes, collate_detection
+from vispe_models.detr import DETR, HungarianMatcher, SetCriterion, postprocess
 
 TINY = dict(hidden_dim=32, num_heads=4, enc_layers=2, dec_layers=2, dim_feedforward=64, num_queries=8, dropout=0.0)
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import vispe
-from models.nerf import CoordinateMLP, NeRF, coordinate_encoder, fit_image, sample_pdf, volume_render
-from models.nerf_data import (
+from vispe_models.nerf import CoordinateMLP, NeRF, coordinate_encoder, fit_image, sample_pdf, volume_render
+from vispe_models.nerf_data import (
     Sphere, get_rays, load_blender, look_at, procedural_image, render_analytic, save_blender, scene_rays,
     synthetic_scene,
 )
@@ -211,7 +211,7 @@ def test_nerf_task_reports_psnr_and_resumes_exactly(tmp_path):
 
 
 def test_pixel_rays_match_full_image_rays():
-    from models.nerf_data import pixel_rays
+    from vispe_models.nerf_data import pixel_rays
     scene = synthetic_scene('train', num_views=3, height=6, width=7)
     rays = scene_rays(scene, pixel_offset=0.5)
     index = torch.tensor([0, 5, 41, 42, 100, 125])

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.vlm import VLM, ColourGridDataset, ColourGridTask, DecoderLM, MLPProjector, Resampler
+from vispe_models.vlm import VLM, ColourGridDataset, ColourGridTask, DecoderLM, MLPProjector, Resampler
 from vispe import multimodal as mm
 
 

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import vispe
-from models.detection_data import DETR_SCALES, CocoDetection, CocoEvaluator, SyntheticShapes, collate_detection
-from models.detr import DETR, HungarianMatcher, SetCriterion, postprocess
+from vispe_models.detection_data import DETR_SCALES, CocoDetection, CocoEvaluator, SyntheticShapes, collate_detection
+from vispe_models.detr import DETR, HungarianMatcher, SetCriterion, postprocess
 
 from ..config import Config, ConfigError, option
 from ..rng import seeded

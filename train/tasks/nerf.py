@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import vispe
-from models.nerf import NeRF
-from models.nerf_data import SceneData, load_blender, pixel_rays, synthetic_scene
+from vispe_models.nerf import NeRF
+from vispe_models.nerf_data import SceneData, load_blender, pixel_rays, synthetic_scene
 
 from ..config import Config, ConfigError, option
 from .base import Task, register_task

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import vispe
-from models.vlm import VLM, ColourGridDataset, ColourGridTask
+from vispe_models.vlm import VLM, ColourGridDataset, ColourGridTask
 from vispe import multimodal as mm
 
 from ..config import Config, ConfigError, option
