@@ -354,11 +354,16 @@ class DETR(nn.Module):
         """Backbone + input projection: tokens ``(B, h*w, C)`` and their grid positions (with the
         padding mask). ``images`` is a padded batch with ``mask`` (True on padding) or a list."""
         if not torch.is_tensor(images):
+            if mask is not None:
+                raise ValueError('mask is for a padded batch of images; a list of images is padded (and masked) here')
             images, mask = pad_images(images)
         if images.dim() != 4:
             raise ValueError(f'images must be (B, 3, H, W) or a list of (3, H, W), got {tuple(images.shape)}')
         if mask is None:
             mask = torch.zeros(images.shape[0], *images.shape[-2:], dtype=torch.bool, device=images.device)
+        elif mask.shape != (images.shape[0], *images.shape[-2:]):
+            raise ValueError(f'mask must be (B, H, W) = {(images.shape[0], *images.shape[-2:])} like images '
+                             f'{tuple(images.shape)} (True on padding), got {tuple(mask.shape)}')
         feats, mask = self.backbone(images, mask)
         src = self.input_proj(feats)
         h, w = src.shape[-2:]

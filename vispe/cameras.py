@@ -304,6 +304,8 @@ def plucker_rays(
     """
     cams.require_intrinsics('plucker_rays')
     ph, pw = (patch, patch) if isinstance(patch, int) else (patch or (1, 1))
+    if ph < 1 or pw < 1:
+        raise ValueError(f'patch must be a positive int or (ph, pw) of positive ints, got {patch!r}')
     if height % ph or width % pw:
         raise ValueError(f'patch {(ph, pw)} must divide the image size {(height, width)}')
     h, w = height // ph, width // pw

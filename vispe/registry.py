@@ -8,16 +8,21 @@ A spec is one of
 * a dict ``{'name': 'rope_axial', 'theta': 100}`` or a list of such dicts / strings.
 
 Options are the keyword arguments of the encoding's constructor; their type hints drive parsing
-and validation, so an encoding declares its options exactly once.
+and type validation, so an encoding declares its options exactly once. The registry checks types,
+duplicate options and list sizes; the constructors check values (so direct construction is checked
+too). Errors quote user input cut to 80 characters.
 """
 from __future__ import annotations
 
 import difflib
 import inspect
+import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Type, Union
 
+from .encodings._checks import short_repr
 from .encodings.base import ComposedPE, PEContext, PositionalEncoding
 
 __all__ = ['register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'pe_info', 'PESpec']
@@ -79,7 +84,7 @@ def _lookup(name: str) -> _Entry:
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY.keys(), n=3, cutoff=0.5)
         hint = f' Did you mean {", ".join(repr(c) for c in close)}?' if close else ''
-        raise ValueError(f'unknown encoding {name!r} (argument pe).{hint} '
+        raise ValueError(f'unknown encoding {short_repr(name)} (argument pe).{hint} '
                          f'Available: {", ".join(list_pes())}.')
     return _REGISTRY[name]
 
@@ -106,12 +111,19 @@ def parse_pe_spec(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
     if isinstance(spec, Mapping):
         spec = dict(spec)
         if 'name' not in spec:
-            raise ValueError(f"a dict encoding spec needs a 'name' key, got keys {sorted(spec)} (argument pe)")
+            raise ValueError(f"a dict encoding spec needs a 'name' key, got keys {short_repr(sorted(spec))} "
+                             '(argument pe)')
         name = spec.pop('name')
         parsed = parse_pe_spec(name)
-        if len(parsed) > 1 and spec:
-            raise ValueError('options in a dict spec apply to one encoding; use a list of dicts to compose')
-        return [(parsed[0][0], {**parsed[0][1], **spec})] if len(parsed) == 1 else parsed
+        if len(parsed) > 1:
+            if spec:
+                raise ValueError('options in a dict spec apply to one encoding; use a list of dicts to compose')
+            return parsed
+        twice = [k for k in spec if k in parsed[0][1]]
+        if twice:
+            raise ValueError(f'option {short_repr(twice[0])} is given twice in encoding spec '
+                             f'{short_repr(name)} + {short_repr(spec)} (argument pe)')
+        return [(parsed[0][0], {**parsed[0][1], **spec})]
     if isinstance(spec, str):
         out = []
         for part in _split_top(spec.strip(), '+'):
@@ -121,10 +133,14 @@ def parse_pe_spec(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
             if rest.strip():
                 for item in _split_top(rest, ','):
                     key, eq, value = item.partition('=')
+                    key = key.strip()
                     if not eq:
-                        raise ValueError(f'bad option {item!r} in encoding spec {spec!r}: expected key=value '
-                                         f'(argument pe)')
-                    opts[key.strip()] = value.strip()
+                        raise ValueError(f'bad option {short_repr(item)} in encoding spec {short_repr(spec)}: '
+                                         'expected key=value (argument pe)')
+                    if key in opts:
+                        raise ValueError(f'option {short_repr(key)} is given twice in encoding spec '
+                                         f'{short_repr(spec)} (argument pe)')
+                    opts[key] = value.strip()
             out.append((name.strip(), opts))
         return out
     if isinstance(spec, Sequence):
@@ -154,55 +170,74 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except ValueError as e:
                 errors.append(str(e))
-        raise ValueError(errors[0] if len(errors) == 1 else f'{where}: {value!r} matches none of {hint}')
+        raise ValueError(errors[0] if len(errors) == 1 else f'{where}: {short_repr(value)} matches none of {hint}')
     if origin is Literal:
         for a in args:
             if value == a or (isinstance(value, str) and str(a) == value):
                 return a
-        raise ValueError(f'{where}: {value!r} is not allowed; allowed values: {", ".join(repr(a) for a in args)}')
+        raise ValueError(f'{where}: {short_repr(value)} is not allowed; allowed values: '
+                         f'{", ".join(repr(a) for a in args)}')
     if origin in (tuple, list, Sequence, typing.Sequence) or hint in (tuple, list):
         elem = args[0] if args else Any
         if isinstance(value, str):
-            items = _parse_list(value)
+            items = _parse_list(value, where)
         elif isinstance(value, (list, tuple)):
             items = list(value)
         else:
             items = [value]
+        if len(items) > _MAX_LIST_ITEMS:
+            raise ValueError(f'{where}: a list holds at most {_MAX_LIST_ITEMS} items, got {len(items)}')
         return tuple(_coerce(v, elem, where) for v in items)
     if hint is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
-        raise ValueError(f'{where}: expected true or false, got {value!r}')
+        raise ValueError(f'{where}: expected true or false, got {short_repr(value)}')
     if hint in (int, float):
         if isinstance(value, bool):
-            raise ValueError(f'{where}: expected {hint.__name__}, got {value!r}')
+            raise ValueError(f'{where}: expected {hint.__name__}, got {short_repr(value)}')
         try:
             out = hint(value)
-        except (TypeError, ValueError):
-            raise ValueError(f'{where}: expected {hint.__name__}, got {value!r}') from None
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f'{where}: expected {hint.__name__}, got {short_repr(value)}') from None
         if hint is int and isinstance(value, float) and value != out:
-            raise ValueError(f'{where}: expected int, got {value!r}')
+            raise ValueError(f'{where}: expected int, got {short_repr(value)}')
+        if hint is float and math.isnan(out):
+            raise ValueError(f'{where}: expected a number, got {short_repr(value)}')
         return out
     if hint is str:
         if not isinstance(value, str):
-            raise ValueError(f'{where}: expected a string, got {value!r}')
+            raise ValueError(f'{where}: expected a string, got {short_repr(value)}')
         return value
     return value
 
 
-def _parse_list(text: str) -> List[str]:
-    """``'0-5'`` -> 0..5, ``'0|2|4'`` -> [0, 2, 4], ``'[1, 2]'`` -> [1, 2]; ranges and items mix."""
+_MAX_LIST_ITEMS = 4096  # list options hold block indices: far beyond any depth
+_RANGE = re.compile(r'(\d{1,18})-(\d{1,18})')
+
+
+def _parse_list(text: str, where: str) -> List[str]:
+    """``'0-5'`` -> 0..5, ``'0|2|4'`` -> [0, 2, 4], ``'[1, 2]'`` -> [1, 2]; ranges and items mix.
+
+    A range is sized before it is expanded: an empty range (``'5-2'``) or more than
+    ``_MAX_LIST_ITEMS`` items in all is an error, so ``'0-1000000000'`` costs nothing.
+    """
     text = text.strip().strip('[]()')
-    items: List[Any] = []
+    items: List[str] = []
     for piece in filter(None, (p.strip() for p in text.replace(';', '|').replace(' ', '|').split('|'))):
         for sub in filter(None, (s.strip() for s in piece.split(','))):
-            if '-' in sub[1:] and all(t.strip().isdigit() for t in sub.split('-')):
-                lo, hi = (int(t) for t in sub.split('-'))
-                items.extend(str(i) for i in range(lo, hi + 1))
-            else:
+            match = _RANGE.fullmatch(sub)
+            if match is None:
                 items.append(sub)
+                continue
+            lo, hi = int(match[1]), int(match[2])
+            if hi < lo:
+                raise ValueError(f'{where}: the range {short_repr(sub)} is empty (write it low-high, low <= high)')
+            if len(items) + hi - lo + 1 > _MAX_LIST_ITEMS:
+                raise ValueError(f'{where}: the range {short_repr(sub)} has {hi - lo + 1} items; a list holds '
+                                 f'at most {_MAX_LIST_ITEMS}')
+            items.extend(str(i) for i in range(lo, hi + 1))
     return items
 
 
@@ -214,7 +249,8 @@ def _build_one(name: str, raw: Dict[str, Any], ctx: PEContext) -> PositionalEnco
             close = difflib.get_close_matches(key, entry.options.keys(), n=2, cutoff=0.5)
             hint = f' Did you mean {", ".join(repr(c) for c in close)}?' if close else ''
             valid = ', '.join(entry.options) or 'none'
-            raise ValueError(f'unknown option {key!r} for encoding {name!r}.{hint} Valid options: {valid}.')
+            raise ValueError(f'unknown option {short_repr(key)} for encoding {name!r}.{hint} '
+                             f'Valid options: {valid}.')
         kwargs[key] = _coerce(value, entry.hints.get(key, Any), f'option {key!r} of encoding {name!r}')
     return entry.cls(ctx, **kwargs)
 
@@ -242,7 +278,7 @@ def create_pe(spec: PESpec = 'none', ctx: Optional[PEContext] = None, **kwargs: 
     parts = parse_pe_spec(spec)
     if kwargs:
         if len(parts) != 1:
-            raise ValueError(f'extra options {sorted(kwargs)} are ambiguous for the composed spec {spec!r}')
+            raise ValueError(f'extra options {sorted(kwargs)} are ambiguous for the composed spec {short_repr(spec)}')
         parts = [(parts[0][0], {**parts[0][1], **kwargs})]
     encodings = [_build_one(name, raw, ctx) for name, raw in parts]
     if len(encodings) == 1:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
+from ._checks import check_nonnegative, check_positive
 from .base import PEContext, PositionalEncoding
 
 __all__ = ['NoPE', 'LearnedPE', 'SinCosPE']
@@ -49,8 +50,8 @@ class LearnedPE(PositionalEncoding):
 
     Args:
         interpolation: resampling mode for other grids.
-        antialias: antialias when downsampling the table.
-        init_std: std of the truncated-normal init.
+        antialias: antialias when downsampling the table (bicubic and bilinear only; nearest has none).
+        init_std: std of the truncated-normal init (0: a zero table).
     """
     larger_input = 'resample'
     paper = 'Dosovitskiy et al., ICLR 2021 (ViT); timm layout'
@@ -67,10 +68,11 @@ class LearnedPE(PositionalEncoding):
         if ctx.grid_size is None:
             raise ValueError("encoding 'learned' needs the training grid: pass grid_size=(h, w) to create_pe")
         self.interpolation = interpolation
-        self.antialias = antialias
+        self.antialias = antialias and interpolation != 'nearest'  # F.interpolate cannot antialias nearest
         self.num_table_prefix = ctx.num_prefix_tokens if ctx.embed_prefix else 0
-        self.pos_embed = nn.Parameter(torch.empty(1, self.num_table_prefix + math.prod(ctx.grid_size), ctx.dim))
-        trunc_normal_(self.pos_embed, std=init_std)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_table_prefix + math.prod(ctx.grid_size), ctx.dim))
+        if check_nonnegative(self.name, 'init_std', init_std):
+            trunc_normal_(self.pos_embed, std=init_std)
 
     def no_weight_decay(self) -> set:
         return {'pos_embed'}
@@ -137,7 +139,7 @@ class SinCosPE(PositionalEncoding):
     ) -> None:
         super().__init__(ctx)
         self.layout = layout
-        self.temperature = temperature
+        self.temperature = check_positive(self.name, 'temperature', temperature)
         self.grid_mode = grid_mode
         self._tables: Dict[tuple, torch.Tensor] = {}
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..positions import Positions
 from ..registry import register_pe
+from ._checks import check_positive
 from .base import PEContext, PositionalEncoding
 
 __all__ = ['DetrSine', 'DetrLearned']
@@ -72,7 +73,7 @@ class DetrSine(PositionalEncoding):
         temperature: the base of the frequencies (10000).
         normalize: divide the cumulative positions by the image extent and multiply by ``scale``.
         scale: the range of normalised positions (``2 pi``).
-        eps: added to the extent before dividing (1e-6).
+        eps: added to the extent before dividing (1e-6; > 0, as a padded row's extent is 0).
     """
     larger_input = 'interpolate'
     paper = 'Carion et al., ECCV 2020 (DETR), arXiv:2005.12872; PositionEmbeddingSine'
@@ -91,10 +92,10 @@ class DetrSine(PositionalEncoding):
             raise ValueError(f"encoding 'detr_sine' needs dim divisible by 4 (two axes of interleaved sin/cos), "
                              f"got dim={ctx.dim}")
         self.num_pos_feats = ctx.dim // 2
-        self.temperature = temperature
+        self.temperature = check_positive(self.name, 'temperature', temperature)
         self.normalize = normalize
-        self.scale = scale
-        self.eps = eps
+        self.scale = check_positive(self.name, 'scale', scale)
+        self.eps = check_positive(self.name, 'eps', eps)
         self._tables: Dict[tuple, torch.Tensor] = {}
 
     def features(self, p: torch.Tensor) -> torch.Tensor:

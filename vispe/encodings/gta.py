@@ -23,6 +23,7 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..positions.multiview import view_grid
 from ..registry import register_pe
+from ._checks import check_nonnegative, check_positive
 from .base import PEContext, PositionalEncoding
 from .rotary import apply_block_rotation, apply_pair_rotation, check_head_dim, pad_prefix, rotation_table
 
@@ -96,7 +97,7 @@ class Gta(PositionalEncoding):
     ) -> None:
         super().__init__(ctx)
         check_head_dim('gta', ctx.head_dim, 4, 'two axes of channel pairs')
-        self.theta = theta
+        self.theta = check_positive(self.name, 'theta', theta)
         self.grid_mode = grid_mode
         self.value_transform = value_transform
 
@@ -189,9 +190,9 @@ class GtaMultiview(PositionalEncoding):
                              f"with se3_dims + so2_dims <= head_dim={hd}, got se3_dims={se3}, so2_dims={so2}")
         self.se3_dims, self.so2_dims = se3, so2
         self.identity_dims = hd - se3 - so2
-        self.max_freq = max_freq
+        self.max_freq = check_positive(self.name, 'max_freq', max_freq)
         self.value_transform = value_transform
-        scale = torch.full((ctx.depth,), float(translation_scale))
+        scale = torch.full((ctx.depth,), float(check_nonnegative(self.name, 'translation_scale', translation_scale)))
         if learn_translation_scale:
             self.translation_scale = nn.Parameter(scale)
         else:

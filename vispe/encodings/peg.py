@@ -42,6 +42,9 @@ class PEG(PositionalEncoding):
 
     def __init__(self, ctx: PEContext, *, blocks: Tuple[int, ...] = (0,), kernel_size: int = 3) -> None:
         super().__init__(ctx)
+        if len(blocks) > ctx.depth:  # sized before it is materialised: blocks=range(10**9) costs nothing
+            raise ValueError(f"option 'blocks' of encoding 'peg' lists {len(blocks)} blocks; with depth={ctx.depth} "
+                             f'some repeat or are outside 0..{ctx.depth - 1}')
         blocks = tuple(int(b) for b in blocks)
         if not blocks:
             raise ValueError("option 'blocks' of encoding 'peg' must list at least one block")

@@ -10,6 +10,7 @@ from ..cameras import RayOrder, plucker_at
 from ..positions import Positions
 from ..positions.multiview import view_grid
 from ..registry import register_pe
+from ._checks import check_min_int
 from .base import PEContext, PositionalEncoding
 
 __all__ = ['PluckerPE']
@@ -52,12 +53,10 @@ class PluckerPE(PositionalEncoding):
             bias: bool = True,
     ) -> None:
         super().__init__(ctx)
-        if patch_size <= 0:
-            raise ValueError(f"encoding 'plucker': patch_size must be positive, got {patch_size}")
         self.mode = mode
         self.order = order
         self.sampling = sampling
-        self.patch_size = patch_size
+        self.patch_size = check_min_int(self.name, 'patch_size', patch_size)
         self.num_features = 6 * (patch_size ** 2 if sampling == 'pixels' else 1)
         self.proj = nn.Linear(self.num_features, ctx.dim, bias=bias)
         if mode == 'concat':

@@ -10,6 +10,7 @@ from ..cameras import lift_intrinsics
 from ..positions import Positions
 from ..positions.multiview import view_grid
 from ..registry import register_pe
+from ._checks import check_positive
 from .base import PEContext, PositionalEncoding
 from .gta import block_matrices, pad_prefix_matrices
 from .rotary import apply_block_rotation, apply_pair_rotation, check_head_dim, pad_prefix, rotation_table
@@ -61,7 +62,7 @@ class Prope(PositionalEncoding):
     ) -> None:
         super().__init__(ctx)
         check_head_dim('prope', ctx.head_dim, 8, 'half in 4x4 blocks, two quarters of rotary pairs')
-        self.theta = theta
+        self.theta = check_positive(self.name, 'theta', theta)
         self.intrinsics = intrinsics
         self.value_transform = value_transform
         hd = ctx.head_dim

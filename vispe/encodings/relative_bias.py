@@ -15,6 +15,7 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
+from ._checks import check_nonnegative
 from .base import PEContext, PositionalEncoding
 
 __all__ = ['ALiBi2D', 'SwinRelativeBias', 'alibi_slopes', 'swin_relative_position_index']
@@ -136,7 +137,7 @@ class SwinRelativeBias(PositionalEncoding):
 
     Args:
         per_layer: one table per layer (True, Swin) or one shared by all layers.
-        init_std: std of the truncated-normal init.
+        init_std: std of the truncated-normal init (0: zero tables).
     """
     shift_invariant = True
     larger_input = 'resample'
@@ -149,12 +150,12 @@ class SwinRelativeBias(PositionalEncoding):
         self.per_layer = per_layer
         tables = ctx.depth if per_layer else 1
         h, w = ctx.grid_size
-        self.relative_position_bias_table = nn.Parameter(torch.empty(tables, (2 * h - 1) * (2 * w - 1), ctx.num_heads))
-        trunc_normal_(self.relative_position_bias_table, std=init_std)
-        self.prefix_bias = None
-        if ctx.num_prefix_tokens:
-            self.prefix_bias = nn.Parameter(torch.empty(tables, 3, ctx.num_heads))
-            trunc_normal_(self.prefix_bias, std=init_std)
+        self.relative_position_bias_table = nn.Parameter(torch.zeros(tables, (2 * h - 1) * (2 * w - 1), ctx.num_heads))
+        self.prefix_bias = nn.Parameter(torch.zeros(tables, 3, ctx.num_heads)) if ctx.num_prefix_tokens else None
+        if check_nonnegative(self.name, 'init_std', init_std):
+            trunc_normal_(self.relative_position_bias_table, std=init_std)
+            if self.prefix_bias is not None:
+                trunc_normal_(self.prefix_bias, std=init_std)
 
     def no_weight_decay(self) -> set:
         return {'relative_position_bias_table', 'prefix_bias'} if self.prefix_bias is not None \

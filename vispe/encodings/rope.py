@@ -16,6 +16,7 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
+from ._checks import check_nonnegative, check_positive
 from .base import PEContext, PositionalEncoding, resolve_num_axes
 from .rotary import (
     FrequencyScaling, axial_frequencies, compute_dtype, pad_prefix, rotate_qk, rotation_table, scale_frequencies,
@@ -65,6 +66,10 @@ class PairRotaryPE(PositionalEncoding):
         return rotate_qk(q, k, rot_q, rot_k, 'table')
 
 
+def _check_factor(name: str, scaling_factor: Optional[float]) -> Optional[float]:
+    return None if scaling_factor is None else check_positive(name, 'scaling_factor', scaling_factor)
+
+
 def _axis_factor(pos: Positions, axis: int, fixed: Optional[float]) -> Tuple[float, float]:
     """(scaling factor, training length) of coordinate axis ``axis`` (in reversed order)."""
     if pos.grid is None or pos.train_grid is None:
@@ -90,8 +95,8 @@ class RopeAxial(PairRotaryPE):
         grid_mode: ``index`` or ``normalized``.
         scaling: frequency scaling for inputs larger than the training grid.
         scaling_factor: fixed factor instead of the per-axis ratio to the training grid.
-        yarn_beta_fast: YaRN ramp end (turns over the training length).
-        yarn_beta_slow: YaRN ramp start.
+        yarn_beta_fast: YaRN ramp end (turns over the training length), > ``yarn_beta_slow``.
+        yarn_beta_slow: YaRN ramp start (>= 0).
     """
     larger_input = 'extrapolate'
     paper = 'Heo et al., ECCV 2024 (RoPE-ViT), arXiv:2403.13298'
@@ -111,10 +116,15 @@ class RopeAxial(PairRotaryPE):
         if ctx.grid_size is not None and ctx.head_dim // 2 < len(ctx.grid_size):
             raise ValueError(f"encoding 'rope_axial' needs head_dim >= {2 * len(ctx.grid_size)} for a "
                              f"{len(ctx.grid_size)}D grid, got head_dim={ctx.head_dim}")
-        self.theta = theta
+        self.theta = check_positive(self.name, 'theta', theta)
         self.scaling = scaling
-        self.scaling_factor = scaling_factor
-        self.yarn_betas = (yarn_beta_fast, yarn_beta_slow)
+        self.scaling_factor = _check_factor(self.name, scaling_factor)
+        slow = check_nonnegative(self.name, 'yarn_beta_slow', yarn_beta_slow)
+        fast = check_nonnegative(self.name, 'yarn_beta_fast', yarn_beta_fast)
+        if fast <= slow:
+            raise ValueError(f"option 'yarn_beta_fast' of encoding {self.name!r} must be > yarn_beta_slow={slow}, "
+                             f'got {fast}')
+        self.yarn_betas = (fast, slow)
 
     def axis_frequencies(self, num_axes: int) -> torch.Tensor:
         """``(P_a,)`` base frequencies of each axis (same for every axis)."""
@@ -173,9 +183,9 @@ class RopeMixed(PairRotaryPE):
             raise ValueError(f"encoding 'rope_mixed' needs head_dim divisible by 4 (two halves of pairs), "
                              f"got head_dim={ctx.head_dim}")
         self.num_axes = resolve_num_axes(ctx, num_axes, self.name)
-        self.theta = theta
+        self.theta = check_positive(self.name, 'theta', theta)
         self.scaling = scaling
-        self.scaling_factor = scaling_factor
+        self.scaling_factor = _check_factor(self.name, scaling_factor)
         self.freqs = nn.Parameter(self.init_freqs(self.num_axes, ctx.depth, ctx.num_heads, ctx.head_dim, theta))
 
     @staticmethod

@@ -18,6 +18,7 @@ from ..registry import register_pe
 from ._lie import (
     RotationPE, axis_sum, check_axes, heads_and_layers, pad_identity, require_divisible, skew_from_upper,
 )
+from ._checks import check_min_int, check_nonnegative, check_positive
 from .base import PEContext, PositionalEncoding, resolve_num_axes
 from .rope import RopeMixed
 from .rotary import angle_tables, compute_dtype, rotate_qk
@@ -71,10 +72,12 @@ class StringCayley(PositionalEncoding):
         if ctx.head_dim % 4:
             raise ValueError(f"encoding 'string_cayley' needs head_dim divisible by 4 (RoPE-Mixed's two halves "
                              f"of pairs), got head_dim={ctx.head_dim}")
+        check_positive(self.name, 'theta', theta)  # here, so that the error names this encoding
+        std = check_nonnegative(self.name, 'skew_init_std', skew_init_std)
         self.rope = RopeMixed(ctx, theta=theta, num_axes=resolve_num_axes(ctx, num_axes, 'string_cayley'),
                               grid_mode=grid_mode)
         hd = ctx.head_dim
-        self.skew = nn.Parameter(torch.randn(ctx.depth, ctx.num_heads, hd * (hd - 1) // 2) * skew_init_std)
+        self.skew = nn.Parameter(torch.randn(ctx.depth, ctx.num_heads, hd * (hd - 1) // 2) * std)
         # set by `fold_into`; a buffer so that a saved folded model does not apply P twice when reloaded
         self.register_buffer('folded', torch.zeros((), dtype=torch.bool))
 
@@ -191,11 +194,12 @@ class StringCirculant(RotationPE):
             init_std: Optional[float] = None,
     ) -> None:
         super().__init__(ctx)
-        self.block = self.rotation_block = block or ctx.head_dim
+        block = ctx.head_dim if block is None else check_min_int(self.name, 'block', block)
+        self.block = self.rotation_block = block
         self.num_blocks = require_divisible('string_circulant', ctx.head_dim, self.block)
         self.num_axes = resolve_num_axes(ctx, num_axes, 'string_circulant')
         self.grid_mode = grid_mode
-        std = init_std if init_std is not None else (8 * self.block) ** -0.5
+        std = (8 * self.block) ** -0.5 if init_std is None else check_nonnegative(self.name, 'init_std', init_std)
         layers, heads = heads_and_layers(ctx, per_layer=True)
         self.coeffs = nn.Parameter(torch.randn(self.num_axes, layers, heads, self.num_blocks, self.block) * std)
 
