@@ -11,10 +11,10 @@ from PIL import Image
 
 from train.checkpoint import atomic_save, load_checkpoint
 from train.cli import run
-from train.config import load_config
+from train.config import ConfigError, load_config
 from train.distributed import DistEnv
 from train.engine import Trainer
-from train.extrapolate import main as extrapolate_main
+from train.extrapolate import main as extrapolate_main, write_reports
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / 'configs'
@@ -59,6 +59,7 @@ def test_quickstart_family_trains_and_prints_the_extrapolation_table(tmp_path, c
     assert '| none ' in table and '| rope_mixed ' in table and '32*' in table
     rows = _rows(root / 'extrapolation.csv')
     assert {(r['label'], r['size']) for r in rows} == {(p, s) for p in ('none', 'rope_mixed') for s in ('32', '48')}
+    assert {r['chance'] for r in rows} == {'25.0'}  # top-1 of a guess among the 4 classes
     assert (root / 'extrapolation.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     out = capsys.readouterr().out
     assert 'resolution extrapolation' in out and 'summary' in out
@@ -92,10 +93,10 @@ def test_imagenet_recipes_train_on_a_tiny_image_folder(tmp_path, config, extra):
 
 def test_unreadable_images_are_counted_in_the_summary(tmp_path):
     root = _image_folder(tmp_path / 'data', per_class=2, corrupt=('train/a/x.jpg', 'train/b/y.jpg'))
-    # every epoch visits all 8 files once: 2 unreadable ones are skipped per epoch
+    # both epochs visit all 8 files: the 2 unreadable ones are met twice and counted once
     [result] = run(str(CONFIGS / 'imagenet' / 'vit_base_learned.yaml'), _imagenet_overrides(root, tmp_path / 'runs') + [
         'data.aug.repeated_aug=0', 'train.steps_per_epoch=null', 'data.aug.mixup=0', 'data.aug.cutmix=0'])
-    assert result.skipped == 4
+    assert result.skipped == 2
 
 
 def test_encoding_parameters_are_not_weight_decayed(tmp_path):
@@ -170,6 +171,26 @@ def test_extrapolate_cli_writes_csv_markdown_and_plot(tmp_path, capsys):
     assert 'rope_axial' in capsys.readouterr().out
 
 
+def test_extrapolation_plot_marks_the_sizes_and_chance_and_keeps_the_legend_off_the_lines(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, 'close', figures.append)  # keep the figure to inspect it
+    top1 = {'none': (25.1, 25.2, 25.1), 'rope_axial': (100.0, 58.4, 34.9)}
+    rows = [dict(label=pe, pe=pe, checkpoint=f'{pe}/best.pt', train_size=32, size=size, metric='top1', chance=25.0,
+                 top1=value) for pe, values in top1.items() for size, value in zip((32, 48, 80), values)]
+    write_reports(rows, tmp_path)
+    [fig] = figures
+    ax = fig.axes[0]
+    assert list(ax.get_xticks()) == [32, 48, 80]  # the sizes evaluated, not matplotlib's round numbers
+    chance = [line for line in ax.get_lines() if list(line.get_ydata()) == [25.0, 25.0]]
+    assert len(chance) == 1 and chance[0].get_label() == 'chance (25)'
+    fig.canvas.draw()
+    legend = ax.get_legend()
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # right of the axes: it covers no line
+    assert [t.get_text() for t in legend.get_texts()] == ['none', 'rope_axial', 'chance (25)']
+    close(fig)
+
+
 def test_extrapolate_rejects_a_size_the_patch_does_not_divide(tmp_path, capsys):
     [result] = run(str(CONFIGS / 'quickstart.yaml'), [
         f'output_dir={tmp_path}', TINY, 'data.synthetic.train_size=16', 'data.synthetic.val_size=8',
@@ -199,7 +220,6 @@ def test_resume_from_best_pt_is_refused_with_a_hint(tmp_path):
     [result] = run(str(CONFIGS / 'quickstart.yaml'), [
         f'output_dir={tmp_path}', TINY, 'data.synthetic.train_size=16', 'data.synthetic.val_size=8',
         'train.batch_size=16', 'sweep={}', 'model.pe=none'] + QUIET)
-    from train.config import ConfigError
     with pytest.raises(ConfigError, match='train.resume: .* holds weights only'):
         run(str(CONFIGS / 'quickstart.yaml'), [
             f'output_dir={tmp_path}/again', TINY, 'data.synthetic.train_size=16', 'data.synthetic.val_size=8',
@@ -212,7 +232,7 @@ def test_tensorboard_is_used_when_installed_and_required_only_when_asked(tmp_pat
     args = [f'output_dir={tmp_path}', TINY, 'data.synthetic.train_size=16', 'data.synthetic.val_size=8',
             'train.batch_size=16', 'sweep={}', 'model.pe=none'] + QUIET
     if importlib.util.find_spec('tensorboard') is None:
-        with pytest.raises(ValueError, match='tensorboard package is not installed'):
+        with pytest.raises(ConfigError, match="log.tensorboard: 'on' needs the tensorboard package"):
             run(str(CONFIGS / 'quickstart.yaml'), args + ['log.tensorboard=on'])
         [result] = run(str(CONFIGS / 'quickstart.yaml'), args + ['log.tensorboard=auto'])
         assert not (result.run_dir / 'tensorboard').exists()

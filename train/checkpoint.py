@@ -2,7 +2,8 @@
 
 `atomic_save` writes to a temporary file in the same folder, flushes it to disk and renames it
 over the target with `os.replace` (atomic on POSIX and Windows), so a reader sees either the old
-or the new file, never half of one. A run keeps two kinds:
+or the new file, never half of one. A kill during the write leaves the temporary file behind;
+`remove_stale_temporaries` deletes it when the run starts again. A run keeps two kinds:
 
 * ``checkpoint.pt``: everything needed to continue exactly (model, optimiser, scheduler, grad
   scaler, EMA, every rank's RNG states, epoch / batch-in-epoch / step, best metric, config);
@@ -13,22 +14,29 @@ or the new file, never half of one. A run keeps two kinds:
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Dict, List, Union
 
 import torch
 
-__all__ = ['atomic_save', 'load_checkpoint', 'CHECKPOINT_VERSION']
+__all__ = ['atomic_save', 'load_checkpoint', 'remove_stale_temporaries', 'CheckpointError', 'CHECKPOINT_VERSION']
 
 CHECKPOINT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is damaged or was not written by ``python -m train``; the message names it."""
 
 
 def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
     """``torch.save`` to ``path`` through a temporary file + fsync + ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
+    tmp = path.parent / f'.{path.name}.{secrets.token_hex(8)}.tmp'
+    # os.open with 0o666 lets the umask decide the mode, as for any file the user creates
+    # (tempfile.mkstemp would make it 0600, and os.replace keeps that mode)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, 'O_BINARY', 0), 0o666)
     try:
         with os.fdopen(fd, 'wb') as f:
             torch.save(obj, f)
@@ -48,16 +56,38 @@ def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
     return path
 
 
+def remove_stale_temporaries(path: Union[str, Path]) -> List[Path]:
+    """Delete the temporary files that writes of ``path`` killed mid-way left behind; returns them.
+
+    Call it only while no other process writes ``path`` (at the start of the run that owns it).
+    """
+    path = Path(path)
+    stale = sorted(path.parent.glob(f'.{path.name}.*.tmp'))  # atomic_save's names
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)
+    return stale
+
+
 def load_checkpoint(path: Union[str, Path]) -> Dict[str, Any]:
-    """Load a vispe training checkpoint (``checkpoint.pt`` or ``best.pt``) on the CPU."""
+    """Load a vispe training checkpoint (``checkpoint.pt`` or ``best.pt``) on the CPU.
+
+    Raises `CheckpointError` naming the file when it is truncated, garbage or not from ``python -m train``.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f'checkpoint {str(path)!r} does not exist')
-    ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except (OSError, MemoryError):  # the file may be fine (permissions, I/O, size): the message says why
+        raise
+    except Exception as e:  # torch reports damage as RuntimeError, EOFError, UnpicklingError, KeyError, ...
+        reason = (str(e).strip().splitlines() or [''])[0][:200]
+        raise CheckpointError(f'checkpoint {str(path)!r} is damaged (truncated or not a torch file: '
+                              f'{type(e).__name__}: {reason})') from None
     if not isinstance(ckpt, dict) or 'model_spec' not in ckpt or 'model' not in ckpt:
-        raise ValueError(f'{str(path)!r} is not a checkpoint written by python -m train '
-                         f'(no model_spec / model entries)')
+        raise CheckpointError(f'{str(path)!r} is not a checkpoint written by python -m train '
+                              f'(no model_spec / model entries)')
     if ckpt.get('version', 0) > CHECKPOINT_VERSION:
-        raise ValueError(f'{str(path)!r} was written by a newer version (format {ckpt["version"]}, '
-                         f'this code reads up to {CHECKPOINT_VERSION})')
+        raise CheckpointError(f'{str(path)!r} was written by a newer version (format {ckpt["version"]}, '
+                              f'this code reads up to {CHECKPOINT_VERSION})')
     return ckpt

@@ -4,7 +4,8 @@ A config without ``sweep:`` is one run in ``output_dir/name``; with ``sweep:`` (
 of values) each combination is a run in ``output_dir/name/<values>``, trained one after the other.
 When ``extrapolate.sizes`` is set, the best checkpoint of every run is evaluated at those sizes
 afterwards and the table is printed (and written with a CSV and a plot to ``output_dir/name``).
-The same command runs under ``torchrun`` (DDP).
+A run folder that already holds a run is refused before anything trains unless ``train.resume``
+is set. The same command runs under ``torchrun`` (DDP).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import yaml
 
 from .config import ConfigError, expand_sweep, load_config, to_dict
 from .distributed import barrier, init_distributed, shutdown_distributed
-from .engine import RunResult, Trainer
+from .engine import RunResult, Trainer, check_run_dir
 from .extrapolate import evaluate_checkpoints, extrapolation_table, write_reports
 from .logs import format_table, setup_logging
 
@@ -50,9 +51,11 @@ def run(config: Optional[str], overrides: Sequence[str] = ()) -> List[RunResult]
     results: List[RunResult] = []
     try:
         runs = expand_sweep(raw)
-        for i, (suffix, run_cfg) in enumerate(runs):
+        run_dirs = [root / suffix if suffix else root for suffix, _ in runs]
+        for (_, run_cfg), run_dir in zip(runs, run_dirs):  # every run of a sweep, before the first one trains
+            check_run_dir(run_dir, run_cfg.train.resume, env)
+        for i, ((suffix, run_cfg), run_dir) in enumerate(zip(runs, run_dirs)):
             run_cfg.name = f'{name}/{suffix}' if suffix else name
-            run_dir = root / suffix if suffix else root
             if env.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / 'config.yaml').write_text(yaml.safe_dump(to_dict(run_cfg), sort_keys=False))

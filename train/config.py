@@ -9,6 +9,10 @@ keys, the closest valid ones.
 
 Files may start from others: ``base: ../_recipes/deit_finetune.yaml`` (a path relative to the
 file, or a list of them) is merged first, the file's own keys win, dictionaries merge key by key.
+
+YAML anchors and aliases (``&recipe`` / ``*recipe``) work, but a document whose aliases expand to
+more than `MAX_YAML_NODES` values (a "billion laughs" file: a few hundred bytes that unfold into
+gigabytes) or refer to themselves is refused before anything walks it.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +31,11 @@ import yaml
 __all__ = [
     'ConfigError', 'option', 'Config', 'OptimConfig', 'SchedConfig', 'TrainConfig', 'EmaConfig', 'LogConfig',
     'ExtrapolateConfig', 'EmptySection', 'load_yaml', 'parse_overrides', 'apply_overrides', 'build_config',
-    'load_config', 'to_dict', 'expand_sweep', 'validate_section', 'merge_trees',
+    'load_config', 'to_dict', 'expand_sweep', 'validate_section', 'merge_trees', 'MAX_YAML_NODES',
 ]
+
+# A real config has a few hundred values; aliases may repeat parts of it, not blow it up.
+MAX_YAML_NODES = 100_000
 
 
 class ConfigError(ValueError):
@@ -96,7 +104,8 @@ class TrainConfig:
     batch_size: int = option(64, 'batch size per process (global batch = batch_size x world size)', min=1)
     amp: Literal['auto', 'bf16', 'fp16', 'off'] = option(
         'auto', 'mixed precision; auto = bf16 autocast on GPUs that support it, off on CPU')
-    device: str = option('auto', "'auto', 'cpu', 'cuda' or 'cuda:N' (under torchrun: the local rank's GPU)")
+    device: str = option('auto', "'auto', 'cpu', 'cuda' or 'cuda:N' (under torchrun: the local rank's GPU); "
+                                 "checked against the machine when the run starts")
     threads: Optional[int] = option(None, 'torch CPU threads per process (null: torch default)', min=1)
     eval_every: int = option(1, 'evaluate every N epochs (and after the last)', min=1)
     checkpoint_every: Optional[int] = option(None, 'also checkpoint every N optimizer steps (mid-epoch)', min=1)
@@ -118,7 +127,8 @@ class LogConfig:
 @dataclass
 class ExtrapolateConfig:
     """Resolution sweep run after training (the same as ``python -m train.extrapolate``)."""
-    sizes: List[int] = option(factory=list, help='input sizes to evaluate best.pt at (empty: skip)')
+    sizes: List[int] = option(factory=list, help='input sizes to evaluate best.pt at (empty: skip); multiples '
+                                                 'of the patch size', min=1)
     batch_size: Optional[int] = option(None, 'evaluation batch (null: the eval batch size)', min=1)
 
 
@@ -149,6 +159,51 @@ TASK_SECTIONS = ('model', 'data', 'loss')
 
 
 # ---------------------------------------------------------------------- YAML and overrides
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses documents whose aliases expand too far or refer to themselves.
+
+    PyYAML shares an aliased node instead of copying it, so loading a billion-laughs file is cheap;
+    the blow-up comes later, when the config is merged, validated or written out as a tree. The
+    expanded size is counted on the composed node graph (each shared node sized once), before any
+    Python object is built.
+    """
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: Dict[int, int], open_nodes: set) -> int:
+    """Number of values ``node`` stands for once every alias is written out; raises past the limit."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise ConfigError(f'the YAML collection at line {node.start_mark.line + 1}, column '
+                          f'{node.start_mark.column + 1} contains an alias to itself; write the values out')
+    children: List[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    open_nodes.add(key)
+    size = 1
+    for child in children:
+        size += _expanded_size(child, sizes, open_nodes)
+        if size > MAX_YAML_NODES:
+            raise ConfigError(f'YAML aliases expand the document to more than {MAX_YAML_NODES} values (a "billion '
+                              f'laughs" file?); write the values out or share them through base: files')
+    open_nodes.discard(key)
+    sizes[key] = size
+    return size
+
+
+def _safe_load(stream: Any) -> Any:
+    return yaml.load(stream, Loader=_Loader)
+
+
 def merge_trees(base: Dict[str, Any], over: Mapping[str, Any]) -> Dict[str, Any]:
     """``over`` on top of ``base``: mappings merge key by key (``sweep`` is replaced whole)."""
     out = copy.deepcopy(base)
@@ -170,9 +225,11 @@ def load_yaml(path: Union[str, Path], _seen: Tuple[Path, ...] = ()) -> Dict[str,
         raise ConfigError(f'config {str(path)!r} includes itself through base:')
     with open(path) as f:
         try:
-            raw = yaml.safe_load(f) or {}
+            raw = _safe_load(f) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f'config {str(path)!r} is not valid YAML: {e}') from None
+        except ConfigError as e:
+            raise ConfigError(f'config {str(path)!r}: {e}') from None
     if not isinstance(raw, dict):
         raise ConfigError(f'config {str(path)!r} must be a mapping of sections, got {type(raw).__name__}')
     bases = raw.pop('base', None) or []
@@ -191,9 +248,11 @@ def parse_overrides(items: Iterable[str]) -> List[Tuple[str, Any]]:
         if not eq or not key or any(not part for part in key.split('.')):
             raise ConfigError(f'override {item!r} must look like section.key=value (e.g. train.epochs=10)')
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = _safe_load(text) if text.strip() else None
         except yaml.YAMLError:
             value = text
+        except ConfigError as e:
+            raise ConfigError(f'override {item!r}: {e}') from None
         out.append((key, value))
     return out
 
@@ -367,6 +426,9 @@ def build_config(raw: Mapping[str, Any]) -> Config:
                               f"(e.g. sweep='{{model.pe: [none, rope_mixed]}}'), got {values!r}")
     task_raw = {s: raw.pop(s, None) for s in TASK_SECTIONS}
     cfg = validate_section(Config, raw, '')
+    if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', cfg.train.device):
+        raise ConfigError(f"train.device: {cfg.train.device!r} is not allowed; allowed values: 'auto', 'cpu', "
+                          f"'cuda', 'cuda:N'")
     for section, cls in zip(TASK_SECTIONS, (task_cls.ModelConfig, task_cls.DataConfig, task_cls.LossConfig)):
         setattr(cfg, section, validate_section(cls, task_raw[section], section))
     task_cls.check_config(cfg)

@@ -8,11 +8,14 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
+
+from .config import ConfigError
 
 __all__ = ['DistEnv', 'init_distributed', 'shutdown_distributed', 'all_reduce_sum', 'all_gather_objects',
            'barrier', 'broadcast_object']
@@ -37,26 +40,32 @@ class DistEnv:
         return self.rank == 0
 
 
-def _pick_device(spec: str, local_rank: int) -> torch.device:
+def _pick_device(spec: str, local_rank: int, key: str) -> torch.device:
     if spec == 'auto':
         spec = 'cuda' if torch.cuda.is_available() else 'cpu'
     if spec == 'cpu':
         return torch.device('cpu')
-    if spec.startswith('cuda'):
-        if not torch.cuda.is_available():
-            raise ValueError(f"train.device={spec!r} but CUDA is not available; use 'cpu' or 'auto'")
-        if spec == 'cuda':
-            return torch.device('cuda', local_rank % torch.cuda.device_count())
-        return torch.device(spec)
-    raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
+    match = re.fullmatch(r'cuda(?::(\d+))?', spec)
+    if match is None:
+        raise ConfigError(f"{key}: {spec!r} is not allowed; allowed values: 'auto', 'cpu', 'cuda', 'cuda:N'")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"{key}: {spec!r}, but this machine has no usable CUDA GPU; use 'cpu' or 'auto'")
+    index = local_rank % count if match.group(1) is None else int(match.group(1))
+    if index >= count:
+        raise ConfigError(f'{key}: {spec!r}, but this machine has {count} GPU(s): cuda:0 to cuda:{count - 1}')
+    return torch.device('cuda', index)
 
 
-def init_distributed(device: str = 'auto') -> DistEnv:
-    """Join the process group if launched by torchrun, and pick this rank's device."""
+def init_distributed(device: str = 'auto', key: str = 'train.device') -> DistEnv:
+    """Join the process group if launched by torchrun, and pick this rank's device.
+
+    ``key`` names the setting ``device`` came from in errors (``train.device``, or a command-line flag).
+    """
     world = int(os.environ.get('WORLD_SIZE', '1'))
     rank = int(os.environ.get('RANK', '0'))
     local_rank = int(os.environ.get('LOCAL_RANK', '0'))
-    dev = _pick_device(device, local_rank)
+    dev = _pick_device(device, local_rank, key)
     if world > 1 and not dist.is_initialized():
         backend = 'nccl' if dev.type == 'cuda' else 'gloo'
         if dev.type == 'cuda':

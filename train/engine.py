@@ -8,7 +8,10 @@ What it guarantees:
   index)``, mixup on ``(seed, step, rank)``, and data loaders never draw from the global RNG, so
   a run killed at any point and resumed from its last checkpoint ends with the same weights as a
   run that was never interrupted.
-* **Atomic files.** Checkpoints go through a temporary file and ``os.replace``.
+* **Atomic files.** Checkpoints go through a temporary file and ``os.replace``; the temporary
+  files of a write killed mid-way are removed when the run starts again.
+* **No silent overwrite.** A run folder that already holds a run is refused unless
+  ``train.resume`` is set (`check_run_dir`): new rows would interleave with the old run's.
 * **Recipes as in timm.** ``create_optimizer_v2`` (no weight decay on biases, norms and
   ``model.no_weight_decay()``, which lists the class token and every encoding parameter that
   must not decay), ``create_scheduler_v2`` (warmup then cosine by default, stepped per update),
@@ -24,7 +27,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set, Union
 
 import numpy as np
 import torch
@@ -35,17 +38,38 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .checkpoint import CHECKPOINT_VERSION, atomic_save, load_checkpoint
+from .checkpoint import CHECKPOINT_VERSION, CheckpointError, atomic_save, load_checkpoint, remove_stale_temporaries
 from .config import Config, ConfigError, to_dict
 from .data import ShardSampler, TrainSampler, make_loader
-from .distributed import DistEnv, all_gather_objects, all_reduce_sum
-from .logs import CsvLog, TensorBoardLog, add_file_log, progress
+from .distributed import DistEnv, all_gather_objects, all_reduce_sum, broadcast_object
+from .logs import CsvLog, TensorBoardLog, add_file_log, progress, tensorboard_enabled
 from .rng import derive_seed, get_rng_state, set_rng_state
 from .tasks import Task, get_task
 
-__all__ = ['Trainer', 'RunResult', 'autocast_for', 'pe_label']
+__all__ = ['Trainer', 'RunResult', 'autocast_for', 'pe_label', 'check_run_dir', 'RUN_FILES']
 
 _logger = logging.getLogger(__name__)
+
+# what a run writes into its folder (config.yaml aside: the command line rewrites it before each run)
+RUN_FILES = ('checkpoint.pt', 'best.pt', 'train.csv', 'eval.csv', 'log.txt', 'tensorboard')
+
+
+def check_run_dir(run_dir: Union[str, Path], resume: Optional[str], env: DistEnv = DistEnv()) -> None:
+    """Refuse to start a new run in a folder that holds one, unless ``train.resume`` is set.
+
+    Overwriting would replace the old checkpoints and append the new rows to the old CSV files and
+    log. Rank 0 looks (only it writes the folder) and every rank raises the same error.
+    """
+    found = []
+    if env.is_main and not resume:
+        found = [f for f in RUN_FILES if (Path(run_dir) / f).exists()]
+    found = broadcast_object(found)
+    if found:
+        raise ConfigError(
+            f'train.resume: not set, but the output folder {str(run_dir)!r} already holds a run '
+            f'({", ".join(found)}); refusing to overwrite it. To continue that run: train.resume=auto '
+            f'(or train.resume=PATH/checkpoint.pt). To start a new run: choose another folder with '
+            f'output_dir=DIR or name=NAME, or delete {str(run_dir)!r}')
 
 
 @dataclass
@@ -59,7 +83,7 @@ class RunResult:
     epochs: int
     steps: int
     seconds: float
-    skipped: int
+    skipped: int  # distinct unreadable training inputs met
     label: str
     params: int
 
@@ -101,11 +125,16 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path) -> None:
         self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
         t = cfg.train
+        check_run_dir(self.run_dir, t.resume, env)
+        self.tensorboard = tensorboard_enabled(cfg.log.tensorboard)
         if t.threads:
             torch.set_num_threads(t.threads)
         self.task: Task = get_task(cfg.task)(cfg, rank=env.rank)
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            for path in (self.checkpoint_path, self.best_path):
+                for tmp in remove_stale_temporaries(path):
+                    _logger.info('removed %s, left by a checkpoint write that was interrupted', tmp)
         self.device = env.device
 
         torch.manual_seed(cfg.seed)  # identical initialisation on every rank
@@ -165,7 +194,7 @@ class Trainer:
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
         self.best: Dict[str, Any] = dict(metric=self.task.metric, value=None, epoch=None, step=None)
         self.last_metrics: Dict[str, float] = {}
-        self.skipped = 0
+        self.unreadable: Set[int] = set()  # training-set indices of the unreadable inputs met so far
         self.seconds = 0.0
         self.resumed_from: Optional[Path] = None
         # per-rank streams for dropout etc. from here on (data and mixup have their own)
@@ -196,11 +225,12 @@ class Trainer:
             ema=self.ema.module.state_dict() if self.ema is not None else None,
             rng=rng, world_size=self.env.world_size,
             position=dict(epoch=self.epoch, batch=self.batch_in_epoch, step=self.step),
-            best=dict(self.best), skipped=self.skipped, seconds=self.seconds + self._elapsed(),
+            best=dict(self.best), unreadable=sorted(self.unreadable), seconds=self.seconds + self._elapsed(),
         )
 
     def save_checkpoint(self) -> None:
         rng = all_gather_objects(get_rng_state())  # every rank's streams, collective
+        self._share_unreadable()
         if self.env.is_main:
             atomic_save(self._state(rng), self.checkpoint_path)
             _logger.debug('checkpoint: epoch %d batch %d step %d', self.epoch, self.batch_in_epoch, self.step)
@@ -214,7 +244,11 @@ class Trainer:
             if r == 'auto':
                 return
             raise ConfigError(f'train.resume: checkpoint {str(path)!r} does not exist')
-        ckpt = load_checkpoint(path)
+        try:
+            ckpt = load_checkpoint(path)
+        except CheckpointError as e:
+            raise ConfigError(f'train.resume: {e}. Resume from another checkpoint with train.resume=PATH, or delete '
+                              f'{str(path)!r} to start this run over (with train.resume=auto)') from None
         if 'optimizer' not in ckpt:
             raise ConfigError(f'train.resume: {str(path)!r} holds weights only (a best.pt?); resume needs a '
                               f'checkpoint.pt. To start from weights, use model.pretrained_file')
@@ -236,7 +270,7 @@ class Trainer:
         pos = ckpt['position']
         self.epoch, self.batch_in_epoch, self.step = pos['epoch'], pos['batch'], pos['step']
         self.best = dict(ckpt['best'])
-        self.skipped = int(ckpt.get('skipped', 0))
+        self.unreadable = set(ckpt.get('unreadable', []))
         self.seconds = float(ckpt.get('seconds', 0.0))
         rng = ckpt['rng']
         if len(rng) == self.env.world_size:
@@ -257,6 +291,16 @@ class Trainer:
                      self.step)
 
     # ------------------------------------------------------------------ loop
+    @property
+    def skipped(self) -> int:
+        """Distinct unreadable training inputs met so far (each counted once, however often it comes back)."""
+        return len(self.unreadable)
+
+    def _share_unreadable(self) -> None:
+        """Every rank learns the unreadable inputs the others met (collective)."""
+        for found in all_gather_objects(self.unreadable):
+            self.unreadable |= found
+
     def _elapsed(self) -> float:
         return time.perf_counter() - self._t0 if hasattr(self, '_t0') else 0.0
 
@@ -291,12 +335,12 @@ class Trainer:
                        desc=f'epoch {self.epoch + 1}/{self.num_epochs}')
         self.train_model.train()
         window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        window_steps, window_skipped, window_t = 0, 0, time.perf_counter()
+        window_steps, window_t = 0, time.perf_counter()
         it = iter(loader)
         try:
             for b in range(skip, self.steps_per_epoch):
                 batch = next(it)
-                window_skipped += self.task.skipped(batch)
+                self.unreadable.update(self.task.unreadable(batch))
                 batch = self.task.to_device(batch, self.device)
                 with self.autocast():
                     loss, extra = self.task.train_step(self.train_model, batch, self.step)
@@ -311,14 +355,13 @@ class Trainer:
                 window_steps += 1
                 bar.update(1)
                 if self.step % cfg.log.every == 0 or self.batch_in_epoch == self.steps_per_epoch:
-                    sums = all_reduce_sum(dict(loss=window_loss, skipped=torch.tensor(float(window_skipped))),
-                                          self.device)
+                    sums = all_reduce_sum(dict(loss=window_loss), self.device)
+                    self._share_unreadable()
                     mean_loss = sums['loss'] / (window_steps * self.env.world_size)
                     if not math.isfinite(mean_loss):
                         raise FloatingPointError(
                             f'loss is {mean_loss} at step {self.step}; lower optim.lr, set optim.clip_grad, or '
                             f'use train.amp=off')
-                    self.skipped += int(sums['skipped'])
                     dt = time.perf_counter() - window_t
                     row = dict(epoch=self.epoch, step=self.step, loss=mean_loss,
                                lr=self.optimizer.param_groups[0]['lr'],
@@ -329,7 +372,7 @@ class Trainer:
                         tb.write('train', row, self.step)
                     bar.set_postfix(loss=f'{mean_loss:.4f}', lr=f'{row["lr"]:.2e}')
                     window_loss.zero_()
-                    window_steps, window_skipped, window_t = 0, 0, time.perf_counter()
+                    window_steps, window_t = 0, time.perf_counter()
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                     self.save_checkpoint()
         finally:
@@ -390,10 +433,10 @@ class Trainer:
         handler = add_file_log(self.run_dir / 'log.txt') if self.env.is_main else None
         csv_train = CsvLog(self.run_dir / 'train.csv') if self.env.is_main else None
         csv_eval = CsvLog(self.run_dir / 'eval.csv') if self.env.is_main else None
-        if csv_train is not None and self.resumed_from is not None:
+        if csv_train is not None:  # a resumed run repeats the rows after its checkpoint; a new one keeps none
             csv_train.truncate(self.step)
             csv_eval.truncate(self.step)
-        tb = TensorBoardLog(cfg.log.tensorboard if self.env.is_main else 'off', self.run_dir / 'tensorboard')
+        tb = TensorBoardLog(self.tensorboard and self.env.is_main, self.run_dir / 'tensorboard')
         self._t0 = time.perf_counter()
         _logger.info('run %s: %s (%s), %.2fM parameters, %d epochs x %d steps, batch %d x %d process(es), '
                      'lr %.3g, amp %s, device %s', cfg.name, self.spec['name'], self.label, self.params / 1e6,

@@ -13,7 +13,8 @@ resample as each one documents. Under ``torchrun`` the evaluation is sharded ove
 Outputs (``--out``, default: the deepest folder holding every checkpoint):
 ``extrapolation.csv`` (one row per checkpoint and size), ``extrapolation.md`` (a table, one row
 per encoding, one column per size) and ``extrapolation.png`` (metric against size, one line per
-encoding, the training size marked).
+encoding at the sizes evaluated, the training size marked, chance level as a horizontal line
+where the task defines one, e.g. 100 / classes for top-1).
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def evaluate_checkpoints(
             finally:
                 bar.close()
             rows.append(dict(label=label, pe=pe_label(ckpt['model_spec']), checkpoint=str(path),
-                             train_size=train_size, size=size, metric=task.metric, **metrics))
+                             train_size=train_size, size=size, metric=task.metric,
+                             chance=task.chance_level(ckpt['model_spec']), **metrics))
             _logger.info('%s @ %d: %s', label, size, ', '.join(f'{k} {v:.4g}' for k, v in metrics.items()))
         del model
     return rows
@@ -152,19 +154,22 @@ def _plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     metric = rows[0]['metric']
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
     for label in dict.fromkeys(r['label'] for r in rows):
         pts = sorted((r['size'], r[metric]) for r in rows if r['label'] == label)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', label=label)
+    for chance in sorted({r['chance'] for r in rows if r.get('chance') is not None}):
+        ax.axhline(chance, color='black', linestyle='--', linewidth=1, label=f'chance ({chance:.3g})')
     for s in sorted({r['train_size'] for r in rows if r['train_size']}):
         ax.axvline(s, color='grey', linestyle=':', linewidth=1)
+    ax.set_xticks(sorted({r['size'] for r in rows}))
     ax.set_xlabel('input size (px); dotted: training size')
     ax.set_ylabel(metric)
     ax.set_title('resolution extrapolation')
     ax.grid(alpha=0.3)
-    ax.legend(fontsize='small')
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # outside the axes, on the right: inside, any corner can sit on a line
+    ax.legend(fontsize='small', loc='upper left', bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    fig.savefig(path, dpi=120, bbox_inches='tight')
     plt.close(fig)
 
 
@@ -190,7 +195,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_intermixed_args(argv)
     overrides = [a for a in args.checkpoints if '=' in a and not Path(a).exists()]
     paths = [Path(a) for a in args.checkpoints if a not in overrides]
-    env = init_distributed(args.device)
+    try:
+        env = init_distributed(args.device, key='--device')
+    except ConfigError as e:
+        sys.stderr.write(f'error: {e}\n')
+        return 2
     setup_logging(env.rank)
     try:
         data = load_yaml(args.data) if args.data else None

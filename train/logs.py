@@ -13,7 +13,10 @@ from typing import Any, Dict, List, Sequence
 
 from tqdm import tqdm
 
-__all__ = ['setup_logging', 'add_file_log', 'progress', 'CsvLog', 'TensorBoardLog', 'format_table']
+from .config import ConfigError
+
+__all__ = ['setup_logging', 'add_file_log', 'progress', 'CsvLog', 'TensorBoardLog', 'tensorboard_enabled',
+           'format_table']
 
 _FORMAT = '%(asctime)s %(levelname)s %(name)s: %(message)s'
 
@@ -105,16 +108,24 @@ def _fmt(v: Any) -> Any:
     return v
 
 
-class TensorBoardLog:
-    """TensorBoard scalars when the ``tensorboard`` package is installed (``log.tensorboard``)."""
+def tensorboard_enabled(mode: str) -> bool:
+    """Whether ``log.tensorboard=mode`` writes events; 'on' without the package is a `ConfigError`.
 
-    def __init__(self, mode: str, log_dir: Path) -> None:
-        installed = importlib.util.find_spec('tensorboard') is not None
-        if mode == 'on' and not installed:
-            raise ValueError('log.tensorboard=on but the tensorboard package is not installed '
-                             '(pip install tensorboard, or log.tensorboard=auto)')
+    The trainer asks before it builds anything, so the run stops before its first step.
+    """
+    installed = importlib.util.find_spec('tensorboard') is not None
+    if mode == 'on' and not installed:
+        raise ConfigError("log.tensorboard: 'on' needs the tensorboard package, which is not installed; "
+                          "pip install tensorboard, or set log.tensorboard=auto (events when installed) or off")
+    return mode != 'off' and installed
+
+
+class TensorBoardLog:
+    """TensorBoard scalars in ``log_dir`` when ``enabled`` (see `tensorboard_enabled`)."""
+
+    def __init__(self, enabled: bool, log_dir: Path) -> None:
         self.writer = None
-        if mode != 'off' and installed:
+        if enabled:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(log_dir))
 

@@ -6,10 +6,10 @@ flip, colour jitter, RandAugment / 3-Augment, random erasing; resize + centre cr
 
 Two properties the training loop relies on:
 
-* an unreadable image (corrupt, truncated, not an image) is logged and skipped: the item is the
-  next readable image of the folder list, and the third element of each item counts the files
-  skipped to reach it, so the loop can report how many it met without ever changing the batch
-  size (which DDP and mixup need constant);
+* an unreadable image (corrupt, truncated, not an image, a decompression bomb) is logged and
+  skipped: the item is the next readable image of the folder list, and its third element is its
+  own index (-1 for a readable one), so the loop can count each bad file once, however often it
+  comes round, without ever changing the batch size (which DDP and mixup need constant);
 * augmentation randomness is a function of ``(seed, epoch, index)`` only (`train.rng.seeded`), so
   the images of an epoch are the same whatever the number of workers, and a resumed run sees
   exactly the images the interrupted one would have.
@@ -41,7 +41,10 @@ def split_dir(root: str, split: str) -> Path:
 
 
 class ImageFolderDataset(Dataset):
-    """Images in ``root/<class>/<file>``; items ``(image, label, skipped)``.
+    """Images in ``root/<class>/<file>``; items ``(image, label, unreadable)``.
+
+    ``unreadable`` is ``index`` when the file at ``index`` cannot be read (image and label are then
+    those of the next readable file), else -1.
 
     Args:
         root: folder with one subfolder per class.
@@ -81,16 +84,19 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, index: int) -> Tuple[Any, int, int]:
         n = len(self.samples)
-        for skipped in range(n):
-            i = (index + skipped) % n
+        for offset in range(n):
+            i = (index + offset) % n
             path, target = self.samples[i]
             try:
                 img = self._load(path)
-            except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for corrupt / truncated files
-                _logger.warning('skipping unreadable image %s (%s: %s)', path, type(e).__name__, e)
+            # Only PIL runs here, and a bad file makes it raise more than OSError / SyntaxError /
+            # ValueError: DecompressionBombError (an Exception), struct.error, EOFError, ...
+            except Exception as e:
+                if offset == 0:  # a file passed over here is reported when its own index comes
+                    _logger.warning('skipping unreadable image %s (%s: %s)', path, type(e).__name__, e)
                 continue
             if self.transform is not None:
                 with seeded(self.seed, self.epoch, i):
                     img = self.transform(img)
-            return img, target, skipped
+            return img, target, index if offset else -1
         raise RuntimeError(f'no readable image under {str(self.root)!r}')

@@ -45,9 +45,9 @@ class SpatialShapes(Dataset):
       position, which relative encodings can only infer from the image border.
 
     Object half-sizes are drawn from ``object_size`` (fractions of the canvas), the background grey
-    per scene. Items are ``(image, label, 0)``: a normalised ``(3, S, S)`` float tensor, the class
-    index, and the number of unreadable files skipped (always 0 here; the image-folder dataset
-    reports its count in the same slot).
+    per scene. Items are ``(image, label, -1)``: a normalised ``(3, S, S)`` float tensor, the class
+    index, and -1 for "not an unreadable input" (the image-folder dataset puts the index of an
+    unreadable file in that slot).
 
     Args:
         size: number of scenes.
@@ -147,7 +147,7 @@ class SpatialShapes(Dataset):
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, int, int]:
         scene = self.scene(index)
         img = (self._draw(scene, self.img_size).astype(np.float32) - self.mean) / self.std
-        return torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1))), scene['label'], 0
+        return torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1))), scene['label'], -1
 
     def at_size(self, img_size: int) -> 'SpatialShapes':
         """The same scenes rendered at another resolution."""

@@ -9,6 +9,7 @@ progress bars, logs, the resolution sweep. A task owns the rest, through a few m
 ``DataConfig``              dataclass of the ``data:`` section
 ``LossConfig``              dataclass of the ``loss:`` section (`EmptySection` if the task has none)
 ``metric``, ``metric_mode`` the eval metric that picks ``best.pt`` and whether higher is better
+``chance_level(spec)``      optional: the metric of a guessing model (a line in the extrapolation plot)
 ``build_model()``           the model to train (pretrained weights loaded here)
 ``model_spec(model)``       JSON-serialisable recipe stored in checkpoints ...
 ``rebuild_model(spec)``     ... and turned back into a model (evaluation, extrapolation)
@@ -22,8 +23,10 @@ progress bars, logs, the resolution sweep. A task owns the rest, through a few m
                             override ``evaluate`` instead.
 ==========================  ==========================================================================
 
-Every item a dataset yields may carry, as its last element, the count of unreadable inputs skipped
-to produce it; ``skipped(batch)`` reads it (0 when the task has none) and the loop reports the total.
+Every item a dataset yields may carry, as its last element, its own dataset index when its input
+was unreadable (the item then holds the next readable input instead), else -1; ``unreadable(batch)``
+returns those indices (none when the task has no such slot), and the loop reports how many distinct
+inputs were unreadable: a bad file is counted once, however many epochs, ranks or repeats meet it.
 
 A new task is a module ``train/tasks/<name>.py`` with ``@register_task('<name>')`` on its class;
 configs select it with ``task: <name>`` and the module is imported on first use.
@@ -33,7 +36,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
-from typing import Any, Callable, ClassVar, Dict, Iterable, Literal, Optional, Tuple, Type
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Literal, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -73,6 +76,10 @@ class Task:
     def rebuild_model(self, spec: Dict[str, Any]) -> nn.Module:
         raise NotImplementedError
 
+    def chance_level(self, spec: Dict[str, Any]) -> Optional[float]:
+        """``metric`` of a model of ``spec`` that guesses; None when the task has no such level."""
+        return None
+
     # ------------------------------------------------------------------ data
     def train_dataset(self) -> Dataset:
         raise NotImplementedError
@@ -80,9 +87,9 @@ class Task:
     def eval_dataset(self, size: Optional[int] = None) -> Dataset:
         raise NotImplementedError
 
-    def skipped(self, batch: Any) -> int:
-        """Unreadable inputs skipped to fill ``batch`` (last element of each item by convention)."""
-        return 0
+    def unreadable(self, batch: Any) -> List[int]:
+        """Dataset indices of the unreadable inputs of ``batch`` (last element of each item by convention)."""
+        return []
 
     # ------------------------------------------------------------------ steps
     def to_device(self, batch: Any, device: torch.device) -> Any:

@@ -11,6 +11,7 @@ augmentation (a flip or a crop would change the answer).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
@@ -199,12 +200,28 @@ class ClassificationTask(Task):
     def build_model(self) -> nn.Module:
         m = self.cfg.model
         model = self._create(m.name, self._model_kwargs(), m.pretrained, m.pretrained_file)
+        self._check_input_sizes(model)
         report = getattr(model, 'pretrained_report', None)
         if report is not None:
             _logger.info('pretrained weights (%s): %s', m.pretrained_file or m.name, report)
         elif m.pretrained or m.pretrained_file:
             _logger.info('pretrained weights loaded (%s)', m.pretrained_file or m.name)
         return model
+
+    def _check_input_sizes(self, model: nn.Module) -> None:
+        """Training and sweep sizes must be multiples of the patch size: found now, not after training."""
+        embed = getattr(model, 'patch_embed', None)
+        if embed is None or getattr(embed, 'dynamic_img_pad', False):  # no patches, or padded to fit
+            return
+        ph, pw = embed.patch_size
+        step = math.lcm(ph, pw)
+        checks = (('data.img_size', [self.cfg.data.img_size]), ('extrapolate.sizes', self.cfg.extrapolate.sizes))
+        for key, sizes in checks:
+            bad = [size for size in sizes if size % step]
+            if bad:
+                near = max(bad[0] // step, 1) * step
+                raise ConfigError(f'{key}: {bad[0]} px is not a multiple of the patch size {ph}x{pw} of '
+                                  f'{self.cfg.model.name}; use multiples of {step} (e.g. {near} or {near + step})')
 
     def model_spec(self, model: nn.Module) -> Dict[str, Any]:
         training_only = ('drop_rate', 'drop_path_rate')
@@ -215,6 +232,9 @@ class ClassificationTask(Task):
         if self.cfg.data.kind == 'folder':
             self._num_classes()  # class mapping for the eval folder
         return self._create(spec['name'], dict(spec['kwargs']))
+
+    def chance_level(self, spec: Dict[str, Any]) -> Optional[float]:
+        return 100.0 / spec['kwargs']['num_classes']  # top-1 (%) of a uniform guess
 
     # ------------------------------------------------------------------ data
     def _norm(self) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
@@ -258,8 +278,8 @@ class ClassificationTask(Task):
             mean=mean, std=std, crop_pct=d.crop_pct or self._data_cfg.get('crop_pct', 0.875), crop_mode=d.crop_mode)
         return ImageFolderDataset(split_dir(d.root, d.val_split), transform, class_to_idx=self._class_to_idx)
 
-    def skipped(self, batch: Any) -> int:
-        return int(batch[2].sum())
+    def unreadable(self, batch: Any) -> List[int]:
+        return batch[2][batch[2] >= 0].tolist()
 
     # ------------------------------------------------------------------ steps
     def _build_loss(self) -> None:
