@@ -144,10 +144,10 @@ def test_comrope_jitter_stays_within_half_a_patch_and_spares_the_frame_axis():
     coords, _ = pe.coordinates(pos, batch=4)
     assert coords.shape == (4, 32, 3)
     idx = pos.coords.double()
-    n = torch.tensor([2.0, 4.0, 4.0], dtype=torch.float64)
+    n = torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64)  # frames in spatial patches, as the original
     lo, hi = idx / n, (idx + 1) / n
     assert ((coords >= lo - 1e-12) & (coords <= hi + 1e-12)).all()
-    torch.testing.assert_close(coords[..., 0], ((idx[:, 0] + 0.5) / 2).expand(4, -1))
+    torch.testing.assert_close(coords[..., 0], ((idx[:, 0] + 0.5) / 4).expand(4, -1))
     assert coords[..., 1:].std() > 0
 
 
@@ -211,3 +211,101 @@ def test_comrope_works_under_torch_compile():
 def test_comrope_works_under_torch_compile_with_inductor(spec):
     torch._dynamo.reset()
     _compiled_matches_eager(spec, 'inductor')
+
+
+@pytest.mark.parametrize('name', VARIANTS)
+def test_comrope_video_frames_are_scaled_by_the_patches_per_side(name):
+    """The original's get_positions divides every axis, frames included, by the patches per side n:
+    3 frames of 4 x 4 patches give t = (f + 0.5) / 4 (not / 3); the class token sits at (0.5, 0.5, 0.5)."""
+    pos = vispe.grid(3, 4, 4, num_prefix=1)
+    coords, pad = _pe(name, axes=3).coordinates(pos)
+    assert pad == 0
+    t = torch.tensor([0.125, 0.375, 0.625], dtype=torch.float64)
+    s = torch.tensor([0.125, 0.375, 0.625, 0.875], dtype=torch.float64)
+    torch.testing.assert_close(coords[1:], torch.cartesian_prod(t, s, s), rtol=0, atol=1e-15)
+    torch.testing.assert_close(coords[0], torch.full((3,), 0.5, dtype=torch.float64), rtol=0, atol=0)
+    # time_scale='frames': frames in [0, 1] whatever the clip length
+    coords, _ = _pe(name, axes=3, time_scale='frames').coordinates(pos)
+    torch.testing.assert_close(coords[1:], torch.cartesian_prod(t * 4 / 3, s, s), rtol=0, atol=1e-15)
+    torch.testing.assert_close(coords[0], torch.full((3,), 0.5, dtype=torch.float64), rtol=0, atol=0)
+    # the per-axis fast path of larger blocks uses the same coordinates
+    pe = _pe(name, axes=3, block=4)
+    coords, _ = pe.coordinates(pos)
+    gens = pe.axis_generators(3)
+    expected = torch.linalg.matrix_exp(torch.einsum('nd,dlhjab->lhnjab', coords, gens).contiguous())
+    torch.testing.assert_close(pe.rotation(pos), expected, rtol=0, atol=1e-10)
+
+
+def _linear_table(pe, weights):
+    """Set channel 0 of the APE table to ``sum_a weights[a] * index_a`` (bilinear sampling is exact on it)."""
+    grid = pe.ctx.grid_size
+    idx = torch.cartesian_prod(*[torch.arange(n, dtype=torch.float64) for n in grid]).reshape(-1, len(grid))
+    with torch.no_grad():
+        pe.pos_embed[0, :, 0] = idx @ torch.tensor(weights, dtype=torch.float64)
+
+
+@pytest.mark.parametrize('name', VARIANTS)
+def test_comrope_ape_samples_its_table_like_the_release(name):
+    """The release samples its table with grid_sample(bilinear, align_corners=True, border) at 2 p - 1:
+    patch centres p = (i + 0.5) / n land at (i + 0.5) (n - 1) / n table cells, p = i / (n - 1) on cell i."""
+    pe = _pe(name, ape=True)
+    assert pe.pos_embed.shape == (1, 16, 32) and 'embed' in pe.hooks and 'embed' not in _pe(name).hooks
+    _linear_table(pe, [10.0, 1.0])
+    emb = pe.embedding(vispe.grid(4, 4, num_prefix=1))
+    assert emb.shape == (1, 17, 32)
+    u = (torch.arange(4, dtype=torch.float64) + 0.5) * 3 / 4  # table coordinates of the patch centres
+    torch.testing.assert_close(emb[0, 1:, 0], (10 * u[:, None] + u[None, :]).flatten())
+    torch.testing.assert_close(emb[0, 0, 0], torch.tensor(16.5, dtype=torch.float64))  # class token: the centre
+    cells = torch.cartesian_prod(*[torch.arange(4, dtype=torch.float64) / 3] * 2)
+    torch.testing.assert_close(pe.embedding(vispe.points(cells))[0], pe.pos_embed[0], rtol=0, atol=1e-12)
+    # outside [0, 1] the border entries repeat; an identity class token gets no embedding
+    far = pe.embedding(vispe.points(torch.tensor([[2.0, -1.0]], dtype=torch.float64)))
+    torch.testing.assert_close(far[0, 0], pe.pos_embed[0, 12])
+    ident = _pe(name, ape=True, prefix='identity')
+    assert ident.embedding(vispe.grid(4, 4, num_prefix=1))[0, 0].abs().max() == 0
+    x = torch.randn(2, 17, 32, dtype=torch.float64)
+    torch.testing.assert_close(pe.eval().embed(x, vispe.grid(4, 4, num_prefix=1)), x + emb)  # no jitter in eval
+
+
+def test_comrope_ape_on_video_follows_the_time_axis_scaling():
+    pe = _pe('comrope_ap', axes=3, ape=True)  # table 4 x 4 x 4 (t, row, col)
+    _linear_table(pe, [100.0, 10.0, 1.0])
+    emb = pe.embedding(vispe.grid(2, 4, 4))[0, :, 0]
+    # frames (f + 0.5) / 4 (patches per side) -> table frame coordinate (f + 0.5) / 4 * 3
+    t = (torch.arange(2, dtype=torch.float64) + 0.5) * 3 / 4
+    s = (torch.arange(4, dtype=torch.float64) + 0.5) * 3 / 4
+    expected = 100 * t[:, None, None] + 10 * s[None, :, None] + s[None, None, :]
+    torch.testing.assert_close(emb, expected.flatten())
+
+
+def test_comrope_ape_and_rotations_share_the_jittered_positions():
+    """In training the table is sampled at the same jittered positions that drive the rotations."""
+    pe = _pe('comrope_ap', ape=True, jitter=1.0)
+    _linear_table(pe, [10.0, 1.0])
+    with torch.no_grad():  # block j rotates by exactly p_(j mod 2) radians
+        pe.generators.zero_()
+        pe.generators[..., 1, 0] = 1.0
+    pe.train()
+    pos = vispe.grid(4, 4, num_prefix=1)
+    x = torch.zeros(3, 17, 32, dtype=torch.float64)
+    emb = pe.embed(x, pos)[..., 0]
+    q = torch.zeros(3, 2, 17, 16, dtype=torch.float64)
+    q[..., 0::2] = 1.0
+    rotated, _ = pe.qk(q, q, pe.prepare(pos), layer=0)
+    p = torch.atan2(rotated[:, 0, :, 1::2], rotated[:, 0, :, 0::2])[..., :2]  # (B, N, axes)
+    assert (p[:, 1:] - p[:1, 1:]).abs().max() > 1e-3  # jittered, per sample
+    torch.testing.assert_close(emb, 10 * 3 * p[..., 0] + 3 * p[..., 1])
+
+
+def test_comrope_ape_trains_in_a_tiny_vit():
+    model = timm.create_model('vit_tiny', pe='comrope_ap:ape=true', **TINY)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert model.pe.pos_embed.grad.abs().sum() > 0
+    assert_tiny_vit_trains_and_runs_larger('comrope_ld:ape=true,block=4')
+    # set_input_size resamples the table like timm's pos_embed (align_corners=True: a linear table stays linear)
+    _linear_table(model.pe, [10.0, 1.0])
+    before = model.pe.eval().embedding(vispe.grid(6, 6))
+    model.set_input_size(img_size=48)
+    assert model.pe.pos_embed.shape == (1, 36, 32)
+    torch.testing.assert_close(model.pe.embedding(vispe.grid(6, 6))[..., 0], before[..., 0], rtol=0, atol=1e-5)
+    assert model(torch.randn(1, 3, 48, 48)).shape == (1, 5)

@@ -1,6 +1,7 @@
 """Multimodal position ids and rotary: the ENCODINGS.md worked example, hand-computed cases of every
 scheme, a token-by-token reference of each scheme (the slow path) against the vectorised builder,
 Qwen2-VL's get_rope_index loop on token ids, padding, decoding continuation and pair layouts."""
+import inspect
 import math
 import random
 
@@ -12,6 +13,7 @@ from vispe.encodings.rotary import apply_pair_rotation
 
 IMG, VID, VS = mm.QWEN2_VL_TOKEN_IDS['image_token_id'], mm.QWEN2_VL_TOKEN_IDS['video_token_id'], \
     mm.QWEN2_VL_TOKEN_IDS['vision_start_token_id']
+VE = 151653  # <|vision_end|>, text to the position ids
 ALL = tuple(mm.SCHEMES)
 
 
@@ -287,6 +289,68 @@ def test_token_ids_without_vision_start_are_rejected():
         mm.position_ids(torch.tensor([[5, VS, IMG, IMG, 8, 9]]), image_grid_thw=torch.tensor([[1, 4, 4]]))
 
 
+def qwen3vl_token_ids(rng):
+    """Token ids as Qwen3-VL's processor lays them out: an image is vision_start, its pads, vision_end;
+    a video of T temporal patches is T such blocks, each after a few timestamp text tokens."""
+    toks, img, vid = [7] * rng.randint(1, 3), [], []
+    for _ in range(rng.randint(1, 3)):
+        if rng.random() < 0.6:
+            T, H, W = rng.randint(1, 3), 2 * rng.randint(1, 3), 2 * rng.randint(1, 3)
+            vid.append([T, H, W])
+            for _ in range(T):
+                toks += [8] * rng.randint(1, 3) + [VS] + [VID] * (H * W // 4) + [VE]
+        else:
+            H, W = 2 * rng.randint(1, 3), 2 * rng.randint(1, 2)
+            img.append([1, H, W])
+            toks += [VS] + [IMG] * (H * W // 4) + [VE]
+        toks += [7] * rng.randint(0, 2)
+    return toks, img, vid
+
+
+def test_token_id_interface_matches_qwen3vl_get_rope_index_on_processor_video_rows():
+    """Qwen3-VL's processor returns one video_grid_thw row (T, H, W) per video but puts each temporal patch in
+    its own vision_start block; transformers' get_rope_index splits each row into T rows (1, H, W)."""
+    transformers = pytest.importorskip('transformers')
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         rope_scaling=dict(rope_type='default', mrope_section=[2, 1, 1], mrope_interleaved=True)),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                           spatial_merge_size=2, deepstack_visual_indexes=[]),
+        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS)
+    model = transformers.Qwen3VLModel(config)
+    rng = random.Random(4)
+    conv = [qwen3vl_token_ids(rng) for _ in range(3)]
+    L = max(len(c[0]) for c in conv)
+    input_ids = torch.zeros(len(conv), L, dtype=torch.long)
+    mask = torch.zeros(len(conv), L, dtype=torch.long)
+    for b, (toks, _, _) in enumerate(conv):
+        input_ids[b, L - len(toks):] = torch.tensor(toks)
+        mask[b, L - len(toks):] = 1
+    img = torch.tensor([g for c in conv for g in c[1]]).reshape(-1, 3)
+    vid = torch.tensor([g for c in conv for g in c[2]]).reshape(-1, 3)
+    assert (vid[:, 0] > 1).any()  # some videos have several temporal patches: the case that differs
+    kwargs = dict(image_grid_thw=img if len(img) else None, video_grid_thw=vid.clone(), attention_mask=mask)
+    type_ids = 'mm_token_type_ids' in inspect.signature(model.get_rope_index).parameters  # transformers >= 5
+    if type_ids:
+        kwargs['mm_token_type_ids'] = (input_ids == IMG).int() + 2 * (input_ids == VID).int()
+    with torch.no_grad():
+        ref, ref_delta = model.get_rope_index(input_ids, **kwargs)
+    for scheme in ('mrope_interleave', 'mhrope'):  # per-frame blocks are these schemes' default
+        ids, delta = mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, attention_mask=mask,
+                                     scheme=scheme)
+        assert torch.equal(ids[:, mask.bool()], ref[:, mask.bool()]), scheme
+        # the same next position; transformers >= 5 counts rope_delta from the real tokens, not the padded length
+        ref_next = ref_delta.long() + (mask.sum(1, keepdim=True) if type_ids else L)
+        assert torch.equal(delta + L, ref_next), scheme
+    # the Qwen2-VL family reads one block per row unless told otherwise
+    with pytest.raises(ValueError, match="video_blocks='frame'"):
+        mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, attention_mask=mask, scheme='mrope')
+    ids, _ = mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, attention_mask=mask,
+                             scheme='mrope', video_blocks='frame')
+    assert torch.equal(ids[:, mask.bool()], ref[:, mask.bool()])
+
+
 # ---------------------------------------------------------------------------------------------- scheme facts
 def test_qwen25_time_index_multiplies_before_the_floor():
     # second_per_grid_t = 0.75 s (temporal patch 2 at fps 8/3), 2 ids per second: t * 1.5 -> 0, 1, 3, 4
@@ -517,9 +581,27 @@ def test_bad_arguments_raise_clear_errors():
         mm.Image(grid=(1, 5, 4))
     with pytest.raises(ValueError, match='padding_side'):
         mm.position_ids([[mm.Text(2)]], padding_side='middle')
+    with pytest.raises(ValueError, match=r"video_blocks must be one of \('video', 'frame'\)"):
+        mm.position_ids(torch.tensor([[5, 6]]), video_blocks='clip')
     with pytest.raises(ValueError, match='sections'):
         mm.MultimodalRotary(16, scheme='mrope', sections=(2, 2, 2))
     with pytest.raises(ValueError, match='num_heads'):
         mm.MultimodalRotary(16, scheme='mhrope')
     with pytest.raises(ValueError, match=r'\(3, N\)'):
         mm.MultimodalRotary(16, scheme='mrope')(torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_apply_rotary_is_transformers_bit_for_bit_in_float32_and_rounds_once_in_bfloat16():
+    """The docstring's claim, against transformers' own apply_rotary_pos_emb."""
+    llama = pytest.importorskip('transformers.models.llama.modeling_llama')
+    ids, _ = mm.position_ids([[mm.Text(3), mm.Image(grid=(1, 8, 8)), mm.Text(20)]], scheme='mrope_interleave')
+    cos, sin = mm.MultimodalRotary(64, theta=1e6, scheme='mrope_interleave')(ids)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, ids.shape[-1], 64, generator=g) * 3, torch.randn(1, 2, ids.shape[-1], 64, generator=g)
+    ours, theirs = mm.apply_rotary(q, k, cos, sin), llama.apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    qb, kb = q.bfloat16(), k.bfloat16()
+    ours = mm.apply_rotary(qb, kb, cos, sin)
+    theirs = llama.apply_rotary_pos_emb(qb, kb, cos.bfloat16(), sin.bfloat16())
+    once = llama.apply_rotary_pos_emb(qb.float(), kb.float(), cos, sin)  # float32, then one rounding
+    assert torch.equal(ours[0], once[0].bfloat16()) and not torch.equal(ours[0], theirs[0])

@@ -207,3 +207,38 @@ def test_pape_gradients_match_finite_differences(name):
 
     params = [p.detach().clone().requires_grad_(True) for _, p in pe.named_parameters()]
     assert torch.autograd.gradcheck(attention, (x, q, k, v, *params), fast_mode=True)
+
+
+def test_pape_video_coordinates_follow_the_released_t_row_col_order():
+    """The released video classifier stacks (t, row, col), each from 1 (class token at the origin); images
+    keep the image classifier's (col, row)."""
+    coords = pape_coordinates(vispe.grid(2, 3, 4, num_prefix=1, dtype=torch.float64))
+    hand = [[0.0, 0.0, 0.0]] + [[t + 1.0, r + 1.0, c + 1.0] for t in range(2) for r in range(3) for c in range(4)]
+    torch.testing.assert_close(coords, torch.tensor(hand, dtype=torch.float64))
+    # W_pos column 0 takes the time axis: a W_pos that reads only column 0 sees only t
+    pe = _make('pape', grid=(2, 3, 4), parabolas=1)
+    with torch.no_grad():
+        pe.pos_proj.zero_()
+        pe.pos_proj[..., 0] = 1.0
+    state = pe.prepare(vispe.grid(2, 3, 4, num_prefix=1, dtype=torch.float64))
+    u = state.u_q[0, 0, :, 0]  # layer 0, head 0, every token, the one parabola
+    centre = torch.tensor([1.5, 2.0, 2.5], dtype=torch.float64)  # the mean key grid position, subtracted
+    torch.testing.assert_close(u, torch.tensor(hand, dtype=torch.float64)[:, 0] - centre[0])
+    assert u[1:13].unique().numel() == 1 and u[13:].unique().numel() == 1  # constant within a frame
+
+
+@pytest.mark.parametrize('option,value', [
+    ('parabolas', math.inf), ('parabolas', 0), ('parabolas', -3), ('parabolas', 2.5), ('parabolas', math.nan),
+    ('pad_to_multiple', math.inf), ('pad_to_multiple', 0), ('num_axes', math.inf), ('num_axes', 0),
+    ('start', math.inf), ('start', math.nan), ('grid_mode', 'linspace'), ('bias_scale', 'none'),
+])
+def test_pape_rejects_non_finite_and_non_positive_options(option, value):
+    from vispe.encodings.base import PEContext
+    from vispe.encodings.pape import PaPE, PaPERI
+    for cls in (PaPE, PaPERI):
+        if option == 'parabolas' and cls is PaPERI:
+            continue
+        with pytest.raises(ValueError, match=f"option '{option}' of encoding '{cls.name}'"):
+            cls(PEContext(dim=C, num_heads=H, grid_size=(3, 4)), **{option: value})
+    with pytest.raises(ValueError, match=f"option '{option}'"):  # the spec path says the same
+        create_pe({'name': 'pape', option: value}, dim=C, num_heads=H, grid_size=(3, 4))

@@ -32,10 +32,11 @@ class LieRE(RotationPE):
     * per coordinate axis ``d`` a generator ``A_d = T_d - T_d^T`` from the strict upper triangle
       ``T_d`` of a learned parameter, block-diagonal: the head dim is split into ``hd // gd``
       consecutive ``gd x gd`` blocks (channels beyond ``gd * (hd // gd)`` are not rotated);
-    * generators per layer and per head by default (``per_layer``, ``per_head``); the original ViT
-      reuses layer 0's rotations in every layer through a slicing bug, which vispe does not
-      reproduce; the released ``imagenet_224.yaml`` turns both options off, which
-      ``per_layer=false, per_head=false`` gives;
+    * generators per layer and per head by default (``per_layer``, ``per_head``), as the released
+      ImageNet run sets them (``imagenet_224.yaml`` and ``lightning_imagenet.sh``: both on, ``gd`` 8);
+      the original ViT reuses layer 0's rotations in every layer through a slicing bug, so the model
+      it effectively trains has per-head generators shared by all layers, which ``per_layer=false``
+      gives; vispe's default implements per-layer generators as intended;
     * raw parameters (the strict upper triangles, stored packed as ``generators`` with shape
       ``(D, L', H', hd // gd, gd (gd - 1) / 2)``) initialised uniformly in ``[0, 2 pi)``, as RoPE-Mixed
       draws its angles; excluded from weight decay;

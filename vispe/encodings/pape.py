@@ -22,6 +22,7 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
+from ._checks import check_min_int, short_repr
 from .base import PEContext, PositionalEncoding, resolve_num_axes
 
 __all__ = ['PaPE', 'PaPERI', 'pape_coordinates']
@@ -37,12 +38,13 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 def pape_coordinates(pos: Positions, start: float = 1.0, grid_mode: GridMode = 'index') -> torch.Tensor:
     """PaPE's token coordinates ``([B,] N_total, D)`` (at least float32), prefix tokens included.
 
-    Grid tokens: indices in reverse grid order (``(col, row)`` for an image, ``(col, row, t)`` for
-    video) plus ``start`` (1: the first patch is at (1, 1)); point sets: their coordinates as
-    given. Prefix tokens sit at the origin.
+    Grid tokens: indices plus ``start`` (1: the first patch is at (1, 1)), in the released code's
+    order: ``(col, row)`` for an image (its image classifier), ``(t, row, col)`` for video (its video
+    classifier); point sets: their coordinates as given. Prefix tokens sit at the origin.
     """
     if pos.grid is not None:
-        coords = _f32(grid_coordinates(pos, grid_mode).flip(-1)) + start
+        coords = grid_coordinates(pos, grid_mode)
+        coords = _f32(coords.flip(-1) if pos.ndim == 2 else coords) + start
     else:
         coords = _f32(pos.coords)
     if pos.num_prefix:
@@ -72,8 +74,15 @@ class _Parabolic(PositionalEncoding):
     def __init__(self, ctx: PEContext, num_axes: int, start: float, grid_mode: GridMode,
                  bias_scale: BiasScale, pad_to_multiple: int, extra: int) -> None:
         super().__init__(ctx)
-        if pad_to_multiple < 1:
-            raise ValueError(f"option 'pad_to_multiple' of encoding {self.name!r} must be >= 1, got {pad_to_multiple}")
+        check_min_int(self.name, 'pad_to_multiple', pad_to_multiple)
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start):
+            raise ValueError(f"option 'start' of encoding {self.name!r} must be a finite number, "
+                             f'got {short_repr(start)}')
+        for option, value, allowed in (('grid_mode', grid_mode, ('index', 'normalized')),
+                                       ('bias_scale', bias_scale, ('logit', 'qk'))):
+            if value not in allowed:
+                raise ValueError(f'option {option!r} of encoding {self.name!r} must be one of {allowed}, '
+                                 f'got {short_repr(value)}')
         self.num_axes = num_axes
         self.start = start
         self.grid_mode = grid_mode
@@ -151,6 +160,13 @@ def _pairs(d: int) -> List[Tuple[int, int]]:
     return [(i, j) for i in range(d) for j in range(i, d)]
 
 
+def _num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
+    """D: the option (an integer >= 1), else the host grid's, else 2."""
+    if num_axes is not None:
+        check_min_int(name, 'num_axes', num_axes)
+    return resolve_num_axes(ctx, num_axes, name)
+
+
 @register_pe('pape', family='pape')
 class PaPE(_Parabolic):
     """PaPE (2026): per layer, head and query a sum of P parabolas over projected positions.
@@ -160,12 +176,16 @@ class PaPE(_Parabolic):
     logit bias of query i and key j in head h is
     ``- sum_m a_m (u_im - u_jm)^2 + sum_m b_m (u_im - u_jm)``.
 
-    Conventions (the released code, ``pape_naive.py`` / ``image_classifier.py``): positions are
-    integer ``(col, row)`` patch indices starting at 1 with the class token at ``(0, 0)``, built per
-    forward (so any resolution works: the grid is rebuilt); one set of parameters per layer;
-    nn.Linear's default init. The released code passes the augmented channels through SDPA's
-    ``1/sqrt(hd)`` like q.k (``bias_scale='qk'``); vispe's default adds the bias in logit units
-    (``'logit'``, the formula above); the two differ by a constant absorbed by ``W_pos`` and ``W_b``.
+    Conventions (the released code, DTU-PAS/parabolic-position-encoding: ``pape/nn/positions/pape.py``
+    of the release snapshot, the same code as ``pape_naive.py`` of revision 96fc92b, which adds a
+    Triton ``pape_efficient.py``; ``pape/nn/image_classifier.py`` and ``video_classifier.py``):
+    positions are integer patch indices starting at 1, ``(col, row)`` for images and
+    ``(t, row, col)`` for video (the released classifiers' orders, so released ``W_pos`` columns
+    load as they are), with the class token at the origin, built per forward (so any resolution
+    works: the grid is rebuilt); one set of parameters per layer; nn.Linear's default init. The
+    released code passes the augmented channels through SDPA's ``1/sqrt(hd)`` like q.k
+    (``bias_scale='qk'``); vispe's default adds the bias in logit units (``'logit'``, the formula
+    above); the two differ by a constant absorbed by ``W_pos`` and ``W_b``.
 
     Parameters: ``pos_proj`` ``(L, H * P, D)`` and ``ab_proj`` ``(L, 2 * H * P, C)`` (rows: a, then b),
     nn.Linear weight layouts stacked over layers (the released ``position`` and ``ab`` layers).
@@ -191,11 +211,10 @@ class PaPE(_Parabolic):
             bias_scale: BiasScale = 'logit',
             pad_to_multiple: int = 8,
     ) -> None:
-        axes = resolve_num_axes(ctx, num_axes, self.name)
+        check_min_int(self.name, 'parabolas', parabolas)
+        axes = _num_axes(ctx, num_axes, self.name)
         super().__init__(ctx, axes, start, grid_mode, bias_scale, pad_to_multiple,
                          extra=1 + axes + len(_pairs(axes)))
-        if parabolas < 1:
-            raise ValueError(f"option 'parabolas' of encoding 'pape' must be >= 1, got {parabolas}")
         self.parabolas = parabolas
         L, H, P, D, C = ctx.depth, ctx.num_heads, parabolas, self.num_axes, ctx.dim
         self.pos_proj = nn.Parameter(_uniform_(torch.empty(L, H * P, D), D))
@@ -271,7 +290,7 @@ class PaPERI(_Parabolic):
             bias_scale: BiasScale = 'logit',
             pad_to_multiple: int = 8,
     ) -> None:
-        axes = resolve_num_axes(ctx, num_axes, self.name)
+        axes = _num_axes(ctx, num_axes, self.name)
         super().__init__(ctx, axes, start, grid_mode, bias_scale, pad_to_multiple, extra=axes + 2)
         L, H = ctx.depth, ctx.num_heads
         bound = math.sqrt(1.0 / self.num_axes)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Dict, Literal, Optional, Sequence, Tuple, Type
 import torch
 
 from .layout import (
-    QWEN2_VL_TOKEN_IDS, TEXT, Layout, SegmentTable, _mask_from_lengths, normalise_layouts,
+    QWEN2_VL_TOKEN_IDS, TEXT, Layout, SegmentTable, VideoBlocks, _mask_from_lengths, normalise_layouts,
     table_from_layouts, table_from_token_ids,
 )
 
@@ -47,11 +47,14 @@ class Scheme:
 
     Subclasses set ``name``, ``axes`` (one character per id axis) and implement `visual_extent`
     and either `visual_rows` (runs = rows of each frame) or `visual_block` (one run per block).
+    ``video_blocks`` is how the token ids of the model family the scheme comes from lay out a
+    video (see `layout.VideoBlocks`): the default of `position_ids` on token ids.
     """
     name: ClassVar[str] = ''
     axes: ClassVar[str] = 'p'
     paper: ClassVar[str] = ''
     row_runs: ClassVar[bool] = True
+    video_blocks: ClassVar[VideoBlocks] = 'video'
 
     @property
     def float_ids(self) -> bool:
@@ -251,7 +254,9 @@ class MRoPEInterleave(MRoPE):
     `MultimodalRotary`). ``spatial_reset``: visual ``h, w`` start at 0 and only ``t`` carries the
     offset ``s`` (the block still advances the running position as in M-RoPE, i.e. the reference
     code's vision-end rule). Qwen3-VL itself uses no reset and splits videos into single-frame
-    blocks separated by timestamp text; describe that layout with one ``Video`` per frame.
+    blocks separated by timestamp text: on token ids, each ``video_grid_thw`` row ``(T, H, W)`` stands
+    for T blocks ``(1, H, W)`` (``video_blocks = 'frame'``, as Qwen3-VL's and the Multimodal-RoPEs
+    reference ``get_rope_index``); as a layout, give one ``Video`` per frame.
 
     Args:
         spatial_reset: visual h, w ids without the offset (the paper's variant); False = Qwen3-VL.
@@ -259,6 +264,7 @@ class MRoPEInterleave(MRoPE):
     """
     name = 'mrope_interleave'
     paper = 'Huang et al., arXiv:2510.23095 (MRoPE-I); Qwen3-VL'
+    video_blocks = 'frame'
 
     def __init__(self, *, spatial_reset: bool = False, tokens_per_second: Optional[float] = 2.0) -> None:
         super().__init__(tokens_per_second=tokens_per_second)
@@ -276,7 +282,8 @@ class MRoPEInterleave(MRoPE):
 class MHRoPE(MRoPEInterleave):
     """MHRoPE (Huang et al. 2025): the MRoPE-I ids; whole heads (not frequency sections) per axis.
 
-    The head assignment lives in `MultimodalRotary` (``head_sections``).
+    The head assignment lives in `MultimodalRotary` (``head_sections``). Token ids lay out videos one
+    block per frame, as for MRoPE-I (the reference code shares its ``get_rope_index``).
     """
     name = 'mhrope'
     paper = 'Huang et al., arXiv:2510.23095 (MHRoPE)'
@@ -442,6 +449,7 @@ def position_ids(
         video_token_id: int = QWEN2_VL_TOKEN_IDS['video_token_id'],
         vision_start_token_id: int = QWEN2_VL_TOKEN_IDS['vision_start_token_id'],
         spatial_merge_size: int = 2,
+        video_blocks: Optional[VideoBlocks] = None,
         padding_side: Literal['right', 'left'] = 'right',
         training: bool = False,
         generator: Optional[torch.Generator] = None,
@@ -459,7 +467,8 @@ def position_ids(
     * token ids ``(B, L)`` in the Qwen2-VL convention with ``image_grid_thw`` / ``video_grid_thw``
       (patch grids before the merge), optional ``second_per_grid_ts`` and ``attention_mask``
       (left or right padding) -> ids ``(A, B, L)`` and ``rope_delta`` ``(B, 1)``, as
-      ``get_rope_index`` returns them.
+      ``get_rope_index`` returns them. ``video_grid_thw`` is what the model family's processor
+      returns, one row per video; ``video_blocks`` says how the token ids hold it.
 
     ``A`` is the scheme's number of axes (3 for the M-RoPE family and VideoRoPE, 4 for VRoPE, 1 for
     V2PE and 1D RoPE). Padding positions get ``pad_value`` (1, as Qwen2-VL). ``rope_delta`` is
@@ -468,6 +477,11 @@ def position_ids(
     Args:
         inputs: a layout, a list of layouts, or ``(B, L)`` token ids.
         scheme: a name in `SCHEMES` or a `Scheme` instance; ``options`` go to its constructor.
+        video_blocks: token ids only: ``'video'``, one vision-start block per ``video_grid_thw`` row
+            (Qwen2-VL, Qwen2.5-VL); ``'frame'``, one block per temporal patch, so a row ``(T, H, W)``
+            covers T blocks ``(1, H, W)`` (Qwen3-VL's processor, timestamp text between the frames);
+            None: the scheme's ``video_blocks`` (``'frame'`` for ``mrope_interleave`` and ``mhrope``,
+            ``'video'`` for the others).
         training: V2PE draws random strides when True.
         generator: random generator for V2PE's training strides.
         device: device of layout-built ids.
@@ -477,7 +491,8 @@ def position_ids(
         if inputs.dtype not in (torch.long, torch.int32, torch.int16):
             raise ValueError(f'token ids must be an integer tensor, got {inputs.dtype}')
         table = table_from_token_ids(inputs, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
-                                     image_token_id, video_token_id, vision_start_token_id, spatial_merge_size)
+                                     image_token_id, video_token_id, vision_start_token_id, spatial_merge_size,
+                                     sch.video_blocks if video_blocks is None else video_blocks)
         flat, nxt = sch.build(table, training, generator)
         B, L = inputs.shape
         if attention_mask is None:

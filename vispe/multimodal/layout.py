@@ -9,7 +9,10 @@ schemes work on that table with vectorised tensor operations; nothing loops over
 
 Grid convention (Qwen2-VL's ``*_grid_thw``): ``(T, H, W)`` is the patch grid of the vision encoder
 *before* the spatial merge; the LLM sees ``T x (H / merge) x (W / merge)`` tokens in raster order
-(``t`` slowest, then row, then column).
+(``t`` slowest, then row, then column). How a video's tokens sit in the token ids depends on the
+model family (`VideoBlocks`): Qwen2-VL and Qwen2.5-VL put the whole video in one vision-start block;
+Qwen3-VL's processor returns the same one row per video but puts each temporal patch in a block of
+its own, with timestamp text between them.
 """
 from __future__ import annotations
 
@@ -21,9 +24,14 @@ from typing import List, Literal, Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = ['Text', 'Image', 'Video', 'Segment', 'Layout', 'SegmentTable', 'TEXT', 'IMAGE', 'VIDEO',
-           'table_from_layouts', 'table_from_token_ids', 'padding_mask', 'QWEN2_VL_TOKEN_IDS']
+           'VideoBlocks', 'table_from_layouts', 'table_from_token_ids', 'padding_mask', 'QWEN2_VL_TOKEN_IDS']
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
+
+# How the rows of ``video_grid_thw`` map to vision-start blocks of the token ids: ``'video'``, one block
+# per row (Qwen2-VL, Qwen2.5-VL); ``'frame'``, one block per temporal patch, a row ``(T, H, W)`` standing
+# for T blocks ``(1, H, W)`` (Qwen3-VL, whose processor separates frames by timestamp text).
+VideoBlocks = Literal['video', 'frame']
 
 # Qwen2-VL / Qwen2.5-VL special token ids (``<|image_pad|>``, ``<|video_pad|>``, ``<|vision_start|>``).
 QWEN2_VL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
@@ -255,14 +263,19 @@ def table_from_token_ids(
         video_token_id: int,
         vision_start_token_id: int,
         spatial_merge_size: int,
+        video_blocks: VideoBlocks = 'video',
 ) -> SegmentTable:
     """The segment table of a ``(B, L)`` batch of token ids in the Qwen2-VL convention.
 
     A visual block starts at an image (video) token that follows ``vision_start_token_id``; its
     length is ``T * H * W / merge^2`` of the next unused row of ``image_grid_thw``
     (``video_grid_thw``), rows being consumed in order across the whole batch, as Qwen2-VL does.
-    Padding (``attention_mask == 0``) is skipped.
+    With ``video_blocks='frame'`` each video row ``(T, H, W)`` first becomes T rows ``(1, H, W)``, one
+    per block (Qwen3-VL's ``get_rope_index`` splits them the same way); ``second_per_grid_ts`` still
+    has one value per video. Padding (``attention_mask == 0``) is skipped.
     """
+    if video_blocks not in ('video', 'frame'):
+        raise ValueError(f"video_blocks must be one of ('video', 'frame'), got {video_blocks!r}")
     if input_ids.dim() != 2:
         raise ValueError(f'input_ids must be (B, L), got shape {tuple(input_ids.shape)}')
     _check_positive_int(spatial_merge_size, 'spatial_merge_size')
@@ -292,22 +305,31 @@ def table_from_token_ids(
     m = spatial_merge_size
     img_g = _grid_rows(image_grid_thw, 'image_grid_thw', device)
     vid_g = _grid_rows(video_grid_thw, 'video_grid_thw', device)
+    for g, what in ((img_g, 'image_grid_thw'), (vid_g, 'video_grid_thw')):
+        if g.numel() and ((g[:, 1:] % m).any() or (g <= 0).any()):
+            raise ValueError(f'{what} rows must be positive with H and W divisible by spatial_merge_size={m}')
+    num_videos = vid_g.shape[0]
+    secs_vid = torch.full((num_videos,), math.nan, dtype=torch.float64, device=device)
+    if second_per_grid_ts is not None:
+        s = torch.as_tensor(second_per_grid_ts, device=device).reshape(-1).double()
+        if s.numel() != num_videos:
+            raise ValueError(f'second_per_grid_ts has {s.numel()} values but there are {num_videos} videos')
+        secs_vid = s
+    frames = vid_g[:, 0]
+    if video_blocks == 'frame':
+        vid_g = torch.cat([torch.ones_like(vid_g[:, :1]), vid_g[:, 1:]], 1).repeat_interleave(frames, dim=0)
+        secs_vid = secs_vid.repeat_interleave(frames)
     n_img, n_vid = int(block_is_img.sum()), int((~block_is_img).sum())
     if n_img != img_g.shape[0]:
         raise ValueError(f'input_ids hold {n_img} image blocks (vision_start + image token) but image_grid_thw '
                          f'has {img_g.shape[0]} rows')
     if n_vid != vid_g.shape[0]:
+        other = {'video': ('frame', int(frames.sum())), 'frame': ('video', num_videos)}[video_blocks]
+        hint = (f"; they match one block per {other[0]}: pass video_blocks='{other[0]}'"
+                if n_vid == other[1] else '')
         raise ValueError(f'input_ids hold {n_vid} video blocks (vision_start + video token) but video_grid_thw '
-                         f'has {vid_g.shape[0]} rows')
-    for g, what in ((img_g, 'image_grid_thw'), (vid_g, 'video_grid_thw')):
-        if g.numel() and ((g[:, 1:] % m).any() or (g <= 0).any()):
-            raise ValueError(f'{what} rows must be positive with H and W divisible by spatial_merge_size={m}')
-    secs_vid = torch.full((n_vid,), math.nan, dtype=torch.float64, device=device)
-    if second_per_grid_ts is not None:
-        s = torch.as_tensor(second_per_grid_ts, device=device).reshape(-1).double()
-        if s.numel() != n_vid:
-            raise ValueError(f'second_per_grid_ts has {s.numel()} values but there are {n_vid} videos')
-        secs_vid = s
+                         f'gives {vid_g.shape[0]} with one block per {video_blocks} '
+                         f'(video_blocks={video_blocks!r}){hint}')
 
     # the k-th image block takes image row k (videos alike); boolean-mask assignment keeps that order
     K = block_start.numel()

@@ -18,7 +18,8 @@ the scheme's frequency allocation:
 
 Angles are ``float32(position) * inv_freq`` in float32, exactly as Llama / Qwen2-VL compute them, so
 for pure text every scheme gives bit-identical cos/sin to ordinary 1D RoPE. `apply_rotary` applies
-them through vispe's shared pair-rotation kernel (float32, result cast back to q's dtype).
+them through vispe's shared pair-rotation kernel (float32, result cast back to q's dtype): bit for
+bit transformers' ``apply_rotary_pos_emb`` in float32, not in bfloat16 / float16 (see there).
 """
 from __future__ import annotations
 
@@ -246,6 +247,12 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     ``q, k``: ``(B, H, N, hd)`` (``unsqueeze_dim=1``) or ``(B, N, H, hd)`` (``unsqueeze_dim=2``);
     ``q`` and ``k`` may have different head counts (GQA). The first ``cos.shape[-1]`` channels
     are rotated in pairs ``(j, j + r/2)``, the rest pass through (partial rotary).
+
+    Numerics: the rotation is computed in float32 and rounded once to ``q``'s dtype. For float32
+    inputs that is bit for bit transformers' ``q * cos + rotate_half(q) * sin`` (tested against
+    transformers). For bfloat16 / float16 inputs it is not: transformers casts cos / sin to the
+    activation dtype and rounds every product and the sum there, so its results differ in the last
+    bits (vispe's are the float32 result rounded once, closer to exact).
     """
     rq = rotary_table(cos, sin, q, unsqueeze_dim)
     rk = rq if k.shape[unsqueeze_dim] == q.shape[unsqueeze_dim] else rotary_table(cos, sin, k, unsqueeze_dim)
