@@ -92,7 +92,8 @@ def test_nonpositive_or_nonfinite_base_and_scale_are_refused(name, option, value
 NONNEGATIVE_OPTIONS = [
     ('learned', 'init_std'), ('swin_rpb', 'init_std'), ('string_cayley', 'skew_init_std'),
     ('string_circulant', 'init_std'), ('gta_multiview', 'translation_scale'),
-    ('rope_axial', 'yarn_beta_slow'),
+    ('rope_axial', 'yarn_beta_slow'), ('comrope_ap', 'init_std'), ('comrope_ld', 'init_std'),
+    ('comrope_ap', 'jitter'), ('liere', 'init_scale'),
 ]
 
 

@@ -22,6 +22,7 @@ from ._lie import (
     Rotations, RotationPE, expm_skew, heads_and_layers, layerwise_exp, pad_identity, require_divisible,
     skew, token_grid,
 )
+from ._checks import check_nonnegative
 from .base import PEContext, resolve_num_axes
 
 __all__ = ['ComRoPEAP', 'ComRoPELD']
@@ -54,8 +55,8 @@ class _ComRoPE(RotationPE):
         if time_scale not in ('patches', 'frames'):
             raise ValueError(f"option time_scale of encoding {self.name!r} must be one of ('patches', 'frames'), "
                              f"got {time_scale!r}")
-        if jitter < 0:
-            raise ValueError(f'option jitter of encoding {self.name!r} must be >= 0, got {jitter}')
+        check_nonnegative(self.name, 'jitter', jitter)
+        check_nonnegative(self.name, 'init_std', init_std)
         self.block = block
         self.rotation_kind = 'pair' if block == 2 else 'block'
         self.num_blocks = require_divisible(self.name, ctx.head_dim, block)

@@ -16,6 +16,7 @@ from ..registry import register_pe
 from ._lie import (
     Rotations, RotationPE, check_axes, heads_and_layers, layerwise_exp, skew_from_upper, token_grid,
 )
+from ._checks import check_nonnegative
 from .base import PEContext, resolve_num_axes
 
 __all__ = ['LieRE']
@@ -85,6 +86,7 @@ class LieRE(RotationPE):
         if positions not in ('linspace', 'index', 'normalized'):
             raise ValueError(f"option positions of encoding 'liere' must be one of ('linspace', 'index', "
                              f"'normalized'), got {positions!r}")
+        check_nonnegative('liere', 'init_scale', init_scale)
         self.gd = gd
         self.rotation_kind = 'pair' if gd == 2 else 'block'
         self.num_blocks = ctx.head_dim // gd
