@@ -6,6 +6,8 @@ Needs a GPU. For each encoding (every registered one plus a few option variants)
   autocast, eval), next to what the encoding claims (`PositionalEncoding.flash_eligible`); a
   claim of "yes" that fails is a bug, a "no" that runs is a missed speed-up;
 * ``bf16``: a train step under bf16 autocast gives a finite loss and finite gradients;
+* ``fused``: launches of the fused Triton rotation kernels (`vispe.encodings._triton_rotary`) in
+  that train step, forward and backward (0: the reference rotations ran);
 * ``cpu diff``: largest difference between the float32 outputs of the same tiny model on CUDA and
   on the CPU (TF32 off), relative to the output's scale;
 * eval forward, train step and train-step peak memory as ratios against ``pe='none'``, measured in
@@ -38,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vispe  # noqa: E402  (registers the ViTs in timm)
 from vispe.attention import PEAttention  # noqa: E402
+from vispe.encodings import _triton_rotary  # noqa: E402
 from _timing import compare, peak_memory  # noqa: E402
 
 VARIANTS = ['irpe:on=qkv', 'liere:gd=2', 'comrope_ap:block=8']
@@ -59,6 +62,24 @@ class SDPACounter:
 
     def __exit__(self, *exc) -> None:
         F.scaled_dot_product_attention = self._orig
+
+
+class FusedCounter:
+    """Counts launches of the fused rotation kernels while installed."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self._orig = _triton_rotary._launch
+
+    def __enter__(self) -> 'FusedCounter':
+        def counted(*args, **kwargs):
+            self.launches += 1
+            return self._orig(*args, **kwargs)
+        _triton_rotary._launch = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _triton_rotary._launch = self._orig
 
 
 def cameras(views: int, image: int, device: torch.device) -> vispe.Cameras:
@@ -203,7 +224,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             pe = model.pe
             row['claim'] = 'yes' if pe is None or pe.flash_eligible else 'no'
             row['flash'] = flash_runs(model, x, depth)
-            row['bf16'] = bf16_finite(model, x, target)
+            with FusedCounter() as fused:
+                row['bf16'] = bf16_finite(model, x, target)
+            row['fused'] = str(fused.launches)
             row['cpu diff'] = cpu_agreement(spec, device, pos_cpu, pos) if spec != 'none' else '-'
             models[spec] = model
         except Exception as e:  # report and go on: one broken encoding must not hide the others

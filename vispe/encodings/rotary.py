@@ -9,24 +9,38 @@ Two pair layouts exist in the field:
 
 * ``'interleaved'``: pairs ``(2j, 2j + 1)`` (RoPE-ViT, timm's vision RoPE, GTA, ComRoPE);
 * ``'half'``: pairs ``(j, j + hd/2)`` (rotate-half, the layout of LLM code: Llama, Qwen2-VL).
+
+On CUDA, `rotate_qk` and `orthogonal_map` run kinds ``table``, ``pair`` and ``block`` as fused Triton
+kernels (`_triton_rotary`: one launch per direction instead of tens); `FUSED` selects.
 """
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from typing import Any, Callable, Dict, Literal, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+
+from .._tracing import is_tracing
+from . import _triton_rotary
 
 __all__ = [
     'PairLayout', 'FrequencyScaling', 'axial_frequencies', 'scale_frequencies', 'rotation_table',
     'apply_pair_rotation', 'apply_block_rotation', 'pad_prefix', 'compute_dtype',
     'block_rotation_grad', 'block_rotation_grad_from_output', 'fourier_rotation', 'orthogonal_map', 'rotate_qk',
-    'RotationKind', 'angle_tables',
+    'RotationKind', 'angle_tables', 'FUSED',
 ]
 
 PairLayout = Literal['interleaved', 'half']
 FrequencyScaling = Literal['none', 'linear', 'ntk', 'yarn']
+
+FUSED: Literal['auto', 'on', 'off'] = os.environ.get('VISPE_FUSED', 'auto')  # type: ignore[assignment]
+"""When q / k rotations run the fused Triton kernels (kinds ``table``, ``pair``, ``block``; the inputs
+and rotations `_triton_rotary.supported` lists, the reference kernels otherwise): ``'auto'`` on CUDA
+tensors when triton imports, ``'on'`` on any device (CPU tensors need Triton's interpreter,
+``TRITON_INTERPRET=1`` before vispe is imported: for tests), ``'off'`` never. Never while tracing
+(torch.compile fuses the reference itself). Set this attribute, or ``VISPE_FUSED`` before import."""
 
 
 def axial_frequencies(num_pairs: int, theta: float, step: float = 2.0, dim: Optional[int] = None) -> torch.Tensor:
@@ -108,7 +122,9 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
     in q and k of a fused projection), a dense copy otherwise (a gradient of a transposed or
     strided product, a host's own projection layout)."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
-    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
+    if is_tracing():  # offsets do not trace; the compiler drops the copy where the layout allows a view
+        x = x.contiguous()
+    elif x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
         x = x.clone(memory_format=torch.contiguous_format)
     return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
 
@@ -164,8 +180,11 @@ def _blocks_as_matrices(x: torch.Tensor, rot: torch.Tensor, order: Optional[Sequ
     ``M``: the dims where ``rot`` varies (positions, heads, blocks; per-sample jitter), ordered as
     they lie in ``rot``'s memory; ``Z``: the dims it broadcasts along (batch, the q/k stack), in
     ``x``'s memory order unless ``order`` (a previous call's) is given. Only views qualify (None
-    otherwise): the point is to feed the batched product without the copies einsum makes.
+    otherwise): the point is to feed the batched product without the copies einsum makes. None
+    while traced: a tracer's strides need not be the run's, so no view is tried on them.
     """
+    if is_tracing():
+        return None
     nb, b = rot.shape[-3], rot.shape[-1]
     blocks = x.unflatten(-1, (nb, b))
     lead = blocks.shape[:-1]
@@ -254,6 +273,8 @@ def block_rotation_grad_from_output(grad: torch.Tensor, out: torch.Tensor, rot: 
 def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
     """``IFFT(table * FFT(z))`` on each length-``block`` channel block ``z`` of ``x`` (real FFT): the
     rotation by a circulant exponential. ``table`` ``(..., N, blocks * (block // 2 + 1))`` unit complex."""
+    if x.numel() == 0:  # an empty batch: MKL's FFT rejects empty input
+        return x.clone()
     ct = torch.promote_types(x.dtype, torch.float32)
     spectrum = torch.fft.rfft(x.to(ct).unflatten(-1, (-1, block)), dim=-1)
     spectrum = spectrum * table.unflatten(-1, (spectrum.shape[-2], -1)).to(spectrum.dtype)
@@ -261,7 +282,10 @@ def fourier_rotation(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.
 
 
 def _flat_view(x: torch.Tensor, groups: Sequence[Sequence[int]]) -> Optional[torch.Tensor]:
-    """``x`` permuted to ``(*groups, channels)`` with each group of dims flattened, as a view, or None."""
+    """``x`` permuted to ``(*groups, channels)`` with each group of dims flattened, as a view, or None
+    (always while traced: a tracer's strides need not be the run's)."""
+    if is_tracing():
+        return None
     order = [d for g in groups for d in g] + [x.dim() - 1]
     try:
         return x.permute(order).view(*(math.prod(x.shape[d] for d in g) for g in groups), x.shape[-1])
@@ -491,8 +515,19 @@ class _SavedOutputRotation(torch.autograd.Function):
         return (None, None, None, *grads_x, *grads_p)
 
 
+def _fused(kind: str, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+    """Whether this rotation runs the fused kernels (see `FUSED`)."""
+    if FUSED not in ('auto', 'on', 'off'):
+        raise ValueError(f"vispe.encodings.rotary.FUSED must be 'auto', 'on' or 'off', got {FUSED!r}")
+    if FUSED == 'off' or (FUSED == 'auto' and not inputs[0].is_cuda) or len(params) != 1 or is_tracing():
+        return False
+    return _triton_rotary.supported(kind, inputs, params[0])
+
+
 def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind: str, block: int
             ) -> Tuple[torch.Tensor, ...]:
+    if _fused(kind, inputs, params):
+        return _triton_rotary.rotate(inputs, params[0], kind)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)):
         out = _SavedOutputRotation.apply(kind, block, len(inputs), *inputs, *params)
         return (out,) if len(inputs) == 1 else out

@@ -1,0 +1,312 @@
+"""The fused Triton rotations (`vispe.encodings._triton_rotary`) equal the reference kernels of
+`vispe.encodings.rotary`: outputs, input gradients and rotation (parameter) gradients, for q and k read
+as views of a fused qkv projection. With a GPU the compiled kernels run on it; without one, Triton's
+interpreter runs them on CPU tensors.
+
+Triton chooses the interpreter when it is imported (its own library functions are jitted then, and
+vispe imports it with `rotary`), so on the CPU each check runs in one child process started with
+``TRITON_INTERPRET=1`` and shared by the module (a spawned `multiprocessing` pool; an assertion there
+fails the test here, with the child's traceback). Each ``test_*`` below hands its check, the function
+after it, to ``run``. Every comparison also counts the kernel launches, so a check cannot pass on the
+reference path alone.
+"""
+import contextlib
+import importlib.util
+import multiprocessing
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip('triton')
+
+import vispe  # noqa: E402
+from vispe.encodings import _triton_rotary, rotary  # noqa: E402
+from vispe.encodings.rotary import orthogonal_map, pad_prefix, rotate_qk, rotation_table  # noqa: E402
+
+
+DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+
+
+@pytest.fixture(scope='module')
+def run():
+    """``run(check, *args)``: ``check(*args)`` here on a GPU, else in the interpreter process."""
+    if DEVICE.type == 'cuda':
+        yield lambda check, *args: check(*args)
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv('TRITON_INTERPRET', '1')  # inherited by the worker, which imports triton afresh
+        pool = multiprocessing.get_context('spawn').Pool(1)
+    with pool:
+        yield lambda check, *args: pool.apply(check, args)
+
+
+@contextlib.contextmanager
+def fused(mode):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rotary, 'FUSED', mode)
+        yield
+
+
+@contextlib.contextmanager
+def counted_launches():
+    """The kinds of the kernel launches made inside the block (forward and backward alike)."""
+    assert DEVICE.type == 'cuda' or type(_triton_rotary._rotation_kernel).__name__ == 'InterpretedFunction'
+    calls = []
+    launch = _triton_rotary._launch
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return launch(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_triton_rotary, '_launch', counted)
+        yield calls
+
+
+def fused_qkv(B=2, H=2, N=7, hd=16, dtype=torch.float32):
+    """q and k as timm's attention makes them: ``(B, H, N, hd)`` views of one ``(B, N, 3 H hd)`` leaf."""
+    qkv = torch.randn(B, N, 3 * H * hd, dtype=dtype, device=DEVICE).requires_grad_()
+    q, k, _ = qkv.reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    return qkv, q, k
+
+
+def compare(run, leaves, expected=2, tol=1e-5):
+    """``run()`` (a tuple of outputs) with the fused kernels and with the reference: equal outputs and
+    gradients of ``leaves`` for random cotangents, and ``expected`` launches in the fused run."""
+    results = {}
+    for mode in ('off', 'on'):
+        for leaf in leaves:
+            leaf.grad = None
+        with fused(mode), counted_launches() as launches:
+            torch.manual_seed(0)  # the same jittered positions in both runs
+            outs = run()
+            torch.manual_seed(1)  # cotangents drawn alike whatever the outputs' layouts
+            torch.autograd.backward(outs, [torch.randn(o.shape, dtype=o.dtype, device=o.device) for o in outs])
+        assert len(launches) == (expected if mode == 'on' else 0)
+        results[mode] = [o.detach() for o in outs] + [leaf.grad for leaf in leaves]
+    for got, want in zip(results['on'], results['off']):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def grid_table(N, P, lead=(), magnitude=1.0, num_prefix=1):
+    """A complex table ``(*lead, num_prefix + N, P)`` with identity rows for the prefix tokens, as
+    `rope.PairRotaryPE.table` builds it (``magnitude`` != 1: YaRN)."""
+    return pad_prefix(rotation_table(torch.randn(*lead, N, P, device=DEVICE) * 3, magnitude), num_prefix)
+
+
+def orthogonal_blocks(*lead, b):
+    a = torch.randn(*lead, b, b, device=DEVICE)
+    return torch.linalg.matrix_exp(a - a.mT)
+
+
+# ------------------------------------------------------------------ pair rotations
+@pytest.mark.parametrize('hd,grid', [(16, 6), (64, 6), (72, 6), (80, 6), (128, 40)])
+def test_yarn_table_with_prefix_rows_matches_reference_on_fused_qkv_views(run, hd, grid):
+    run(yarn_table_with_prefix_rows, hd, grid)
+
+
+def yarn_table_with_prefix_rows(hd, grid):
+    """A class token and a 2 x 3 (or 5 x 8: several token blocks per program grid) grid."""
+    qkv, q, k = fused_qkv(N=1 + grid, hd=hd)
+    table = grid_table(grid, hd // 2, magnitude=1.3).requires_grad_()
+    compare(lambda: rotate_qk(q, k, table, table, 'table'), [qkv, table])
+
+
+@pytest.mark.parametrize('lead', [(2, 1), (2,)], ids=['per_sample', 'per_head'])
+def test_partial_rotary_table_matches_reference(run, lead):
+    run(partial_rotary_table, lead)
+
+
+def partial_rotary_table(lead):
+    qkv, q, k = fused_qkv(hd=20)
+    table = grid_table(6, 7, lead).requires_grad_()  # 14 of 20 channels rotated, 6 pass through
+    compare(lambda: rotate_qk(q, k, table, table, 'table'), [qkv, table])
+
+
+def test_angles_match_reference_with_gradients(run):
+    run(angles_with_gradients)
+
+
+def angles_with_gradients():
+    qkv, q, k = fused_qkv(hd=16)
+    angles = torch.cat([torch.zeros(2, 1, 8), torch.randn(2, 6, 8)], 1).to(DEVICE).requires_grad_()  # (H, N, P)
+    compare(lambda: rotate_qk(q, k, angles, angles, 'pair'), [qkv, angles])
+
+
+def test_unit_table_of_angles_matches_reference(run):
+    run(unit_table_of_angles)
+
+
+def unit_table_of_angles():
+    qkv, q, k = fused_qkv(hd=16)
+    table = rotation_table(torch.randn(2, 7, 8, device=DEVICE))  # eval's cached tables (`angle_tables`)
+    compare(lambda: rotate_qk(q, k, table, table, 'pair'), [qkv])
+
+
+def test_bfloat16_matches_reference_to_its_rounding(run):
+    run(bfloat16_table)
+
+
+def bfloat16_table():
+    qkv, q, k = fused_qkv(hd=16, dtype=torch.bfloat16)
+    table = grid_table(6, 8).requires_grad_()
+    compare(lambda: rotate_qk(q, k, table, table, 'table'), [qkv, table], tol=2e-2)
+
+
+def test_cross_attention_rotates_q_and_k_in_their_own_launches(run):
+    run(cross_attention)
+
+
+def cross_attention():
+    q = torch.randn(2, 2, 5, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(2, 2, 7, 16, device=DEVICE, requires_grad=True)
+    tq, tk = grid_table(4, 8).requires_grad_(), grid_table(6, 8).requires_grad_()
+    compare(lambda: rotate_qk(q, k, tq, tk, 'table'), [q, k, tq, tk], expected=4)
+
+
+# ------------------------------------------------------------------ block rotations
+@pytest.mark.parametrize('b,hd', [(2, 16), (4, 16), (8, 16), (8, 20), (4, 18), (8, 128)])
+def test_position_major_blocks_match_reference(run, b, hd):
+    """LieRE / ComRoPE's layout: ``(H, N, nb, b, b)`` over ``(N, H, ...)`` memory; channels beyond
+    whole blocks (hd 20 with b 8, hd 18 with b 4) pass through; hd 128 with b 8: two token blocks."""
+    run(position_major_blocks, b, hd)
+
+
+def position_major_blocks(b, hd):
+    qkv, q, k = fused_qkv(hd=hd)
+    rot = orthogonal_blocks(7, 2, hd // b, b=b).transpose(0, 1).requires_grad_()
+    compare(lambda: rotate_qk(q, k, rot, rot, 'block'), [qkv, rot])
+
+
+@pytest.mark.parametrize('lead', [(2, 2), (1,), ()], ids=['per_sample', 'shared_head', 'shared'])
+def test_broadcast_blocks_match_reference(run, lead):
+    run(broadcast_blocks, lead)
+
+
+def broadcast_blocks(lead):
+    qkv, q, k = fused_qkv(hd=16)
+    rot = orthogonal_blocks(*lead, 7, 4, b=4).requires_grad_()
+    compare(lambda: rotate_qk(q, k, rot, rot, 'block'), [qkv, rot])
+
+
+# ------------------------------------------------------------------ encodings end to end
+@pytest.mark.parametrize('spec', ['rope_axial:scaling=yarn', 'rope_mixed', 'liere:gd=2', 'liere:gd=8',
+                                  'comrope_ap:block=4', 'comrope_ld:block=8'])
+def test_encoding_trains_identically_with_fused_kernels(run, spec):
+    """The q / k hook on a non-square grid larger than the training grid, with a class token; gradients
+    reach q, k and the encoding's parameters alike (LieRE gd 8 on head dim 20: 4 channels pass through;
+    ComRoPE: per-sample jittered rotations)."""
+    run(encoding_trains_identically, spec)
+
+
+def encoding_trains_identically(spec):
+    H, hd = 2, 20 if spec == 'liere:gd=8' else 16
+    pe = vispe.create_pe(spec, dim=H * hd, num_heads=H, depth=1, grid_size=(2, 3)).to(DEVICE)
+    pos = vispe.positions.grid(3, 4, num_prefix=1, train_grid=(2, 3), device=DEVICE)
+    qkv, q, k = fused_qkv(H=H, N=pos.num_tokens, hd=hd)
+    # RoPE-Mixed indexes its per-layer table once for q and once for k: two rotations, four launches
+    launches = 4 if spec == 'rope_mixed' else 2
+    compare(lambda: pe.qk(q, k, pe.prepare(pos), layer=0), [qkv, *pe.parameters()], launches, tol=1e-4)
+
+
+# ------------------------------------------------------------------ layouts and dispatch
+def test_output_is_laid_out_like_the_fused_projection(run):
+    run(output_layout)
+
+
+def output_layout():
+    _, q, k = fused_qkv()
+    table = grid_table(6, 8)
+    with fused('on'), counted_launches() as launches:
+        out_q, out_k = rotate_qk(q, k, table, table, 'table')
+    assert len(launches) == 1
+    assert out_q._base is out_k._base and out_q.transpose(1, 2).is_contiguous()  # stacked, (B, N, H, hd) memory
+
+
+def test_backward_takes_expanded_and_missing_gradients(run):
+    """A sum's gradient is expanded (stride 0) and k gets none at all: still one launch each way."""
+    run(expanded_and_missing_gradients)
+
+
+def expanded_and_missing_gradients():
+    qkv, q, k = fused_qkv()
+    angles = torch.randn(7, 8, device=DEVICE, requires_grad=True)
+    compare(lambda: (rotate_qk(q, k, angles, angles, 'pair')[0].sum(),), [qkv, angles])
+
+
+def test_single_tensor_with_strided_channels_matches_reference(run):
+    run(single_tensor_with_strided_channels)
+
+
+def single_tensor_with_strided_channels():
+    x = torch.randn(16, 7, device=DEVICE).mT.requires_grad_()  # (N, hd), channels at stride 7
+    rot = orthogonal_blocks(7, 2, b=8).requires_grad_()
+    compare(lambda: (orthogonal_map(x, 'block', rot),), [x, rot])
+
+
+@pytest.mark.parametrize('case', ['float64', 'block_3', 'fourier'])
+def test_unsupported_rotations_use_the_reference(run, case):
+    run(unsupported_rotation, case)
+
+
+def unsupported_rotation(case):
+    x = torch.randn(2, 2, 6, 12, dtype=torch.float64 if case == 'float64' else torch.float32, device=DEVICE)
+    kind, rot = {'float64': ('pair', torch.randn(6, 6, dtype=torch.float64, device=DEVICE)),
+                 'block_3': ('block', orthogonal_blocks(6, 4, b=3)),
+                 'fourier': ('fourier', rotation_table(torch.randn(6, 8, device=DEVICE)))}[case]
+    with fused('on'), counted_launches() as launches:
+        out = orthogonal_map(x, kind, rot, block=6)
+    assert not launches
+    torch.testing.assert_close(out, orthogonal_map(x, kind, rot, block=6))
+
+
+def test_auto_keeps_cpu_tensors_on_the_reference():
+    q, k = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    calls = []
+    with fused('auto'), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_triton_rotary, '_launch', lambda *args, **kwargs: calls.append(args))
+        rotate_qk(q, k, torch.randn(7, 8), torch.randn(7, 8), 'pair')
+    assert not calls
+
+
+@pytest.mark.skipif(DEVICE.type != 'cuda', reason='needs a GPU')
+def test_auto_runs_cuda_tensors_fused():
+    _, q, k = fused_qkv()
+    table = grid_table(6, 8)
+    with fused('auto'), counted_launches() as launches:
+        rotate_qk(q, k, table, table, 'table')
+    assert launches == ['table']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kind,blk', [(0, 2), (1, 2), (2, 2), (2, 4), (2, 8)],
+                         ids=['table', 'angles', 'block2', 'block4', 'block8'])
+def test_kernel_compiles_for_a_hopper_gpu_without_one(kind, blk):
+    """What the interpreter does not check (constexpr branches, types, register allocation by ptxas):
+    the forward and the backward with parameter gradients, compiled for sm_90 (H100 / H200)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    kernel = _triton_rotary._rotation_kernel
+    constexprs = ('KIND', 'BLK', 'S', 'TRANSPOSE', 'WRITE_OUT', 'PARAM_GRAD', 'BLOCK_N', 'BLOCK_C')
+    signature = {name: '*bf16' if name in ('X0', 'X1', 'Y0', 'Y1', 'OUT') else '*fp32' if name in ('ROT', 'PARTIAL')
+                 else 'constexpr' if name in constexprs else 'i32' for name in kernel.arg_names}
+    for backward in (False, True):
+        values = dict(KIND=kind, BLK=blk, S=2, TRANSPOSE=backward, WRITE_OUT=True, PARAM_GRAD=backward,
+                      BLOCK_N=8 // blk, BLOCK_C=64)
+        compiled = triton.compile(ASTSource(kernel, signature, values), target=GPUTarget('cuda', 90, 32))
+        assert compiled.asm['cubin']
+
+
+def test_kernel_module_imports_without_triton(monkeypatch):
+    for name in ('triton', 'triton.language'):
+        monkeypatch.setitem(sys.modules, name, None)  # `import triton` raises ImportError
+    spec = importlib.util.spec_from_file_location('_triton_rotary_without_triton', _triton_rotary.__file__)
+    module = importlib.util.module_from_spec(spec)  # a separate module object: vispe's own is untouched
+    spec.loader.exec_module(module)
+    assert not module.AVAILABLE
+    assert not module.supported('pair', [torch.randn(2, 7, 16)], torch.randn(7, 8))
+
+
+def test_unknown_fused_setting_is_an_error():
+    with fused('yes'), pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
+        orthogonal_map(torch.randn(4, 8), 'pair', torch.randn(4, 4))
