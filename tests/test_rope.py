@@ -209,3 +209,15 @@ def test_eval_state_holds_complex_tables_and_rotates_like_training(spec):
     assert any(t.is_complex() for t in torch.utils._pytree.tree_leaves(state) if torch.is_tensor(t))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize('spec', ['rope_axial', 'rope_mixed'])
+def test_self_attention_rotates_q_and_k_in_one_call(spec, monkeypatch):
+    """One table for q and k: one stacked rotation per layer (one fused launch on a GPU), not two."""
+    import timm
+    from vispe.encodings import rotary
+    sizes, rotate = [], rotary._rotate
+    monkeypatch.setattr(rotary, '_rotate', lambda inputs, *a: sizes.append(len(inputs)) or rotate(inputs, *a))
+    model = timm.create_model('vit_tiny', pe=spec, embed_dim=32, depth=2, num_heads=2, img_size=32, patch_size=8)
+    model(torch.randn(1, 3, 32, 32)).sum().backward()
+    assert sizes == [2, 2]

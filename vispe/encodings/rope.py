@@ -61,8 +61,8 @@ class PairRotaryPE(PositionalEncoding):
 
     def qk(self, q, k, state, layer, x=None):
         rot_q, rot_k = state
-        if self.per_layer:
-            rot_q, rot_k = rot_q[layer], rot_k[layer]
+        if self.per_layer:  # self-attention shares one table: index it once, so q and k rotate together
+            rot_q, rot_k = (rot_q[layer],) * 2 if rot_q is rot_k else (rot_q[layer], rot_k[layer])
         return rotate_qk(q, k, rot_q, rot_k, 'table')
 
 
