@@ -145,3 +145,32 @@ def test_pe_attention_combines_bias_with_user_mask():
     logits = (q @ k.transpose(-1, -2)) / 8 ** 0.5
     logits[..., 2] = float('-inf')
     torch.testing.assert_close(out, logits.softmax(-1) @ v)
+
+
+def test_pe_attention_says_how_many_tokens_the_positions_describe():
+    pe = vispe.create_pe('rope_axial', dim=32, num_heads=2, grid_size=(4, 4))
+    pos = vispe.grid(4, 4)  # 16 tokens, but q and k carry a class token too
+    q = torch.randn(1, 2, 17, 16)
+    match = r'positions of q describe 16 tokens \(0 prefix \+ 16 positioned\) but q has 17'
+    with pytest.raises(ValueError, match=match):
+        pe_attention(q, q, q, pe, pe.prepare(pos), pos_q=pos)
+    pos = vispe.grid(4, 4, num_prefix=1)
+    assert pe_attention(q, q, q, pe, pe.prepare(pos), pos_q=pos).shape == q.shape
+
+
+def test_create_pe_takes_factory_kwargs():
+    pe = vispe.create_pe('rope_mixed+fourier_gaussian', dim=32, num_heads=2, grid_size=(4, 4), dtype=torch.float64)
+    assert {t.dtype for t in pe.state_dict().values()} == {torch.float64}
+    pe = vispe.create_pe('rope_mixed', dim=32, num_heads=2, grid_size=(4, 4), device='meta')
+    assert pe.freqs.is_meta
+
+
+def test_encodings_run_on_meta_tensors():
+    """Shape propagation (memory planning, meta-device models) runs the forward on meta tensors."""
+    for spec in image_pes():
+        pe = vispe.create_pe(spec, dim=32, num_heads=2, depth=2, grid_size=(4, 4), num_prefix_tokens=1,
+                             device='meta')
+        pos = vispe.grid(4, 4, num_prefix=1, device='meta')
+        q = torch.randn(2, 2, 17, 16, device='meta')
+        x = pe.embed(torch.randn(2, 17, 32, device='meta'), pos)
+        assert pe_attention(q, q, q, pe, pe.prepare(pos), x=x, pos_q=pos).shape == q.shape, spec

@@ -299,27 +299,32 @@ def test_irpe_rejects_bad_options():
 
 
 class _Attention(torch.nn.Module):
-    def __init__(self, pe, pos):
+    def __init__(self, pe, pos, layer):
         super().__init__()
-        self.pe, self.pos = pe, pos
+        self.pe, self.pos, self.layer = pe, pos, layer
 
     def forward(self, q, k, v):
-        return pe_attention(q, k, v, self.pe, self.pe.prepare(self.pos), 0)
+        return pe_attention(q, k, v, self.pe, self.pe.prepare(self.pos), self.layer)
 
 
-@pytest.mark.parametrize('spec', ['irpe:on=qkv,method=cross,ratio=1.9', 'irpe:on=qkv,mode=bias'])
-def test_irpe_gradients_match_finite_differences(spec):
+@pytest.mark.parametrize('on', ['k', 'q', 'v', 'qk', 'kv', 'qv', 'qkv'])
+@pytest.mark.parametrize('mode', ['contextual', 'bias'])
+@pytest.mark.parametrize('method', ['product', 'cross', 'euclidean', 'quantization'])
+def test_irpe_gradients_match_finite_differences(method, mode, on):
     heads, hd, h, w = 2, 3, 2, 3
-    pe = create_pe(spec, dim=heads * hd, num_heads=heads, depth=1, grid_size=(h, w), num_prefix_tokens=1).double()
+    shared = method in ('product', 'euclidean')  # both table layouts, each with two mappings
+    spec = f'irpe:method={method},mode={mode},on={on},ratio=1.9,shared_heads={str(shared).lower()}'
+    # depth 2, layer 1: a gradient that reached the wrong layer's table would show
+    pe = create_pe(spec, dim=heads * hd, num_heads=heads, depth=2, grid_size=(h, w), num_prefix_tokens=1).double()
     _random_tables(pe)
-    pos = vispe.grid(h, w, num_prefix=1)
     n = 1 + h * w
-    q, k, v = torch.randn(3, 1, heads, n, hd, dtype=torch.float64, requires_grad=True).unbind(0)
-    names = ['table_k', 'table_q', 'table_v']
-    host = _Attention(pe, pos)
+    q, k, v = torch.randn(3, 2, heads, n, hd, dtype=torch.float64).unbind(0)
+    names = [name for name, _ in pe.named_parameters()]
+    host = _Attention(pe, vispe.grid(h, w, num_prefix=1), layer=1)
 
     def attention(q, k, v, *tables):  # the tables enter as gradcheck inputs, swapped in by functional_call
         return torch.func.functional_call(host, {f'pe.{n}': t for n, t in zip(names, tables)}, (q, k, v))
 
-    tables = [getattr(pe, n).detach().clone().requires_grad_(True) for n in names]
-    assert torch.autograd.gradcheck(attention, (q, k, v, *tables), fast_mode=True)
+    inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    inputs += [getattr(pe, n).detach().clone().requires_grad_(True) for n in names]
+    assert torch.autograd.gradcheck(attention, tuple(inputs), fast_mode=True)

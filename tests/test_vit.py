@@ -138,6 +138,24 @@ def test_timm_checkpoint_into_composed_encoding_moves_the_table(tmp_path):
     assert torch.equal(m.pe.encodings[1].pos_embed, ref.pos_embed)
 
 
+def test_other_number_of_classes_reports_the_classifier_dropped_and_initialised(tmp_path):
+    _, path = _timm_checkpoint(tmp_path)
+    m = timm.create_model('vit_tiny', pe='rope_mixed', pretrained=True, pretrained_cfg_overlay=dict(file=path),
+                          **dict(TINY, num_classes=7))
+    report = m.pretrained_report
+    assert report.dropped == ['pos_embed', 'head.bias', 'head.weight']
+    assert report.initialized == ['head.bias', 'head.weight', 'pe.freqs']
+    assert 'initialised nothing' not in str(report)
+
+
+def test_load_timm_checkpoint_into_a_headless_backbone(tmp_path):
+    ref, path = _timm_checkpoint(tmp_path)
+    m = timm.create_model('vit_tiny', pe='rope_axial+learned', **dict(TINY, num_classes=0))
+    report = vispe.load_timm_checkpoint(m, path)
+    assert report.dropped == ['head.bias', 'head.weight'] and report.initialized == []
+    assert torch.equal(m.blocks[1].attn.qkv.weight, ref.blocks[1].attn.qkv.weight)
+
+
 def test_checkpoint_of_other_depth_raises(tmp_path):
     _, path = _timm_checkpoint(tmp_path, depth=3)
     with pytest.raises(ValueError, match='does not match this architecture'):
@@ -157,6 +175,16 @@ def test_input_not_divisible_by_patch_size_is_a_clear_error():
     m = timm.create_model('vit_tiny', pe='rope_axial', **TINY)
     with pytest.raises(ValueError, match=r'input size 30x32 is not divisible by the patch size 8x8'):
         m(torch.randn(1, 3, 30, 32))
+
+
+@pytest.mark.parametrize('arg, kwargs', [
+    ('num_heads', dict(num_heads=0)),
+    ('tubelet', dict(video=True, tubelet=0)),
+    ('num_frames', dict(video=True, num_frames=0)),
+])
+def test_non_positive_sizes_name_the_argument(arg, kwargs):
+    with pytest.raises(ValueError, match=rf'{arg} must be a positive integer, got 0'):
+        timm.create_model('vit_tiny', pe='rope_axial', **dict(TINY, **kwargs))
 
 
 def test_unknown_encoding_through_timm_suggests_names():

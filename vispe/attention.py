@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .encodings.base import PositionalEncoding
+from .positions import Positions
 
 __all__ = ['pe_attention', 'PEAttention', 'merge_masks']
 
@@ -36,6 +37,18 @@ def merge_masks(attn_mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
     return bias if attn_mask is None else bias + attn_mask
 
 
+def _check_token_counts(q: torch.Tensor, k: torch.Tensor, pos_q: Positions, pos_k: Optional[Positions]) -> None:
+    for name, t, pos in (('q', q, pos_q), ('k', k, pos_q if pos_k is None else pos_k)):
+        if t.shape[-2] != pos.num_tokens:
+            raise ValueError(
+                f'the positions of {name} describe {pos.num_tokens} tokens ({pos.num_prefix} prefix + '
+                f'{pos.coords.shape[-2]} positioned) but {name} has {t.shape[-2]} (q: {q.shape[-2]}, k: '
+                f'{k.shape[-2]}); build the positions for the tokens attention sees, prefix tokens included '
+                f'(num_prefix=...)')
+
+
+# torch.fx traces a host through this function as one opaque call: the hooks read positions and state
+@torch.fx.wrap
 def pe_attention(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -49,6 +62,8 @@ def pe_attention(
         scale: Optional[float] = None,
         is_causal: bool = False,
         force_explicit: bool = False,
+        pos_q: Optional[Positions] = None,
+        pos_k: Optional[Positions] = None,
 ) -> torch.Tensor:
     """Attention ``(B, H, Nq, hd)`` with every hook of ``pe`` applied.
 
@@ -63,7 +78,12 @@ def pe_attention(
         scale: logit scale, default ``hd ** -0.5`` of the *original* head dim.
         is_causal: causal masking (not combinable with ``attn_mask`` or a bias).
         force_explicit: use the explicit softmax path (reference / tests).
+        pos_q, pos_k: the positions ``state`` was prepared from (``pos_k`` defaults to ``pos_q``, as in
+            ``prepare``); when given, their token counts are checked against q and k, a clear error
+            instead of a broadcast failure inside a hook.
     """
+    if pos_q is not None:
+        _check_token_counts(q, k, pos_q, pos_k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     bias = None
     weights_term = False
@@ -181,13 +201,16 @@ class PEAttention(nn.Module):
             state: Any = None,
             attn_mask: Optional[torch.Tensor] = None,
             is_causal: bool = False,
+            pos: Optional[Positions] = None,
     ) -> torch.Tensor:
+        """``x`` ``(B, N, C)``; ``state`` is ``pe.prepare(pos)``, and ``pos`` (optional) is checked
+        against the N tokens."""
         B, N, _ = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         o = pe_attention(
             q, k, v, pe, state, self.layer_index, x=x, attn_mask=attn_mask,
             dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale, is_causal=is_causal,
-            force_explicit=not self.fused_attn)
+            force_explicit=not self.fused_attn, pos_q=pos)
         o = o.transpose(1, 2).reshape(B, N, self.attn_dim)
         return self.proj_drop(self.proj(self.norm(o)))

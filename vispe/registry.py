@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from .encodings._checks import short_repr
-from .encodings.base import ComposedPE, PEContext, PositionalEncoding
+from .encodings.base import ComposedPE, PEContext, PositionalEncoding, build_with_factory_kwargs
 
 __all__ = ['register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'pe_info', 'PESpec']
 
@@ -255,13 +255,16 @@ def _build_one(name: str, raw: Dict[str, Any], ctx: PEContext) -> PositionalEnco
     return entry.cls(ctx, **kwargs)
 
 
-def create_pe(spec: PESpec = 'none', ctx: Optional[PEContext] = None, **kwargs: Any) -> PositionalEncoding:
+def create_pe(spec: PESpec = 'none', ctx: Optional[PEContext] = None, *, device=None, dtype=None,
+              **kwargs: Any) -> PositionalEncoding:
     """Build an encoding (or a composition) from a spec.
 
     Args:
         spec: name, ``'name:key=value,...'``, ``'a+b'``, dict or list (see module docstring).
         ctx: host description; or give its fields as keywords (``dim``, ``num_heads``, ``head_dim``,
             ``depth``, ``grid_size``, ``num_prefix_tokens``, ``embed_prefix``).
+        device, dtype: timm's factory kwargs for the encoding's parameters and buffers
+            (``device='meta'``: built without memory; see `build_with_factory_kwargs`).
         kwargs: context fields, then options that override the spec's (single encoding only).
 
     Example:
@@ -280,7 +283,8 @@ def create_pe(spec: PESpec = 'none', ctx: Optional[PEContext] = None, **kwargs: 
         if len(parts) != 1:
             raise ValueError(f'extra options {sorted(kwargs)} are ambiguous for the composed spec {short_repr(spec)}')
         parts = [(parts[0][0], {**parts[0][1], **kwargs})]
-    encodings = [_build_one(name, raw, ctx) for name, raw in parts]
-    if len(encodings) == 1:
-        return encodings[0]
-    return ComposedPE(ctx, encodings)
+
+    def build() -> PositionalEncoding:
+        encodings = [_build_one(name, raw, ctx) for name, raw in parts]
+        return encodings[0] if len(encodings) == 1 else ComposedPE(ctx, encodings)
+    return build_with_factory_kwargs(build, device=device, dtype=dtype)

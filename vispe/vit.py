@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
-from timm.layers import PatchDropoutWithIndices, resample_abs_pos_embed
+from timm.layers import PatchDropoutWithIndices, is_scriptable, resample_abs_pos_embed
 from timm.models import generate_default_cfgs, register_model
 from timm.models._builder import build_model_with_cfg
 from timm.models._features import feature_take_indices
@@ -34,14 +35,62 @@ __all__ = ['VisionTransformer', 'PEBlock', 'TubeletEmbed', 'VIT_SIZES', 'checkpo
 
 _logger = logging.getLogger(__name__)
 
+_NO_TORCHSCRIPT = ('vispe models do not support TorchScript (the encoding hands positions and per-forward '
+                   'state objects to every attention layer); use torch.compile or torch.export instead')
+
+
+# torch.fx (timm's feature_cls='fx', create_feature_extractor) traces the model with proxies for
+# tensors, whose shapes it cannot read. These helpers read shapes and build positions, so they are
+# wrapped: fx records each as one opaque call and runs it on real tensors.
+@torch.fx.wrap
+def _checked_input(x: torch.Tensor, video: bool, patch_size: Tuple[int, int], dynamic_pad: bool,
+                   tubelet: int) -> torch.Tensor:
+    """``x`` after the checks of its layout and size against the patch (and tubelet) size."""
+    want = 5 if video else 4
+    if x.dim() != want:
+        layout = '(B, C, T, H, W)' if video else '(B, C, H, W)'
+        raise ValueError(f'input must be {layout}, got shape {tuple(x.shape)}')
+    ph, pw = patch_size
+    h, w = x.shape[-2:]
+    if (h % ph or w % pw) and not dynamic_pad:
+        raise ValueError(f'input size {h}x{w} is not divisible by the patch size {ph}x{pw}; '
+                         f'use a size that is a multiple of {ph}x{pw}')
+    if video and x.shape[2] % tubelet:
+        raise ValueError(f'clip length {x.shape[2]} is not divisible by tubelet={tubelet}')
+    return x
+
+
+@torch.fx.wrap
+def _token_sequence(x: torch.Tensor, prefix: Sequence[Optional[torch.Tensor]], num_prefix: int,
+                    train_grid: Tuple[int, ...]) -> Tuple[torch.Tensor, P.Positions]:
+    """Patch embeddings (channels-last grid ``(B, *grid, C)``, or ``(B, N, C)`` on the training grid)
+    as one token sequence with the prefix tokens in front, and the positions of its tokens."""
+    if x.dim() > 3:
+        grid = tuple(x.shape[1:-1])
+        x = x.flatten(1, -2)  # not reshape(B, -1, C): that is ambiguous for an empty batch
+    else:
+        grid = tuple(train_grid)
+    tokens = [t.expand(x.shape[0], -1, -1) for t in prefix if t is not None]
+    if tokens:
+        x = torch.cat(tokens + [x], dim=1)
+    return x, P.grid(*grid, num_prefix=num_prefix, train_grid=train_grid, device=x.device)
+
+
+@torch.fx.wrap
+def _pe_hook(pe: PositionalEncoding, hook: str, *args: Any) -> Any:
+    """``pe.<hook>(*args)``: encodings read positions and build state, which fx cannot trace."""
+    return getattr(pe, hook)(*args)
+
 
 class PEBlock(Block):
-    """timm's pre-norm `Block` whose attention receives the encoding and its per-forward state."""
+    """timm's pre-norm `Block` whose attention receives the encoding, its per-forward state and the
+    positions that state was prepared from (to check them against the tokens)."""
 
     def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
-                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[P.Positions] = None) -> torch.Tensor:
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), pe=pe, state=state, attn_mask=attn_mask,
-                                                   is_causal=is_causal)))
+                                                   is_causal=is_causal, pos=pos)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
@@ -53,7 +102,7 @@ class TubeletEmbed(nn.Module):
     """
 
     def __init__(self, img_size: Tuple[int, int], patch_size: int, num_frames: int, tubelet: int,
-                 in_chans: int, embed_dim: int, bias: bool = True) -> None:
+                 in_chans: int, embed_dim: int, bias: bool = True, device=None, dtype=None) -> None:
         super().__init__()
         self.patch_size = (patch_size, patch_size)
         self.tubelet = tubelet
@@ -61,7 +110,7 @@ class TubeletEmbed(nn.Module):
         self.grid_size = (num_frames // tubelet, img_size[0] // patch_size, img_size[1] // patch_size)
         self.num_patches = math.prod(self.grid_size)
         self.proj = nn.Conv3d(in_chans, embed_dim, (tubelet, patch_size, patch_size),
-                              stride=(tubelet, patch_size, patch_size), bias=bias)
+                              stride=(tubelet, patch_size, patch_size), bias=bias, device=device, dtype=dtype)
 
     def feat_ratio(self, as_scalar: bool = True):
         return self.patch_size[0] if as_scalar else self.patch_size
@@ -81,6 +130,11 @@ class VisionTransformer(TimmVisionTransformer):
     and, through `PEAttention`, ``qk``/``bias``/``value``/``output`` in every attention layer, with
     the state from one ``prepare`` per forward. Everything else (parameter names, heads, pooling,
     ``forward_intermediates``, gradient checkpointing, ``set_input_size``) is timm's.
+
+    timm's factory kwargs ``device`` and ``dtype`` reach the encoding too: ``device='meta'`` builds
+    the whole model without memory, and ``to_empty(device=...)`` followed by `init_weights`
+    initialises it, the encoding as its constructor does. TorchScript is not supported
+    (``scriptable=True`` raises); torch.compile, torch.export and torch.fx feature extraction are.
 
     Args:
         pe: encoding spec (``'rope_mixed'``, ``'irpe+learned'``, ``{'name': 'rope_axial', 'theta': 100}``).
@@ -102,6 +156,14 @@ class VisionTransformer(TimmVisionTransformer):
     ) -> None:
         if 'pos_embed' in kwargs:
             raise ValueError("argument pos_embed is replaced by pe= in vispe models (e.g. pe='learned' or pe='none')")
+        if is_scriptable():
+            raise ValueError(f'scriptable=True: {_NO_TORCHSCRIPT}')
+        checks = [('num_heads', kwargs.get('num_heads', 12))] + ([('num_frames', num_frames), ('tubelet', tubelet)]
+                                                                 if video else [])
+        for arg, value in checks:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f'{arg} must be a positive integer, got {value!r}')
+        dd = {'device': kwargs.get('device'), 'dtype': kwargs.get('dtype')}
         patch_drop_rate = kwargs.pop('patch_drop_rate', 0.0)
         super().__init__(pos_embed='none', dynamic_img_size=dynamic_img_size, block_fn=PEBlock,
                          attn_layer=PEAttention, **kwargs)
@@ -113,7 +175,7 @@ class VisionTransformer(TimmVisionTransformer):
                 raise ValueError(f'num_frames={num_frames} must be divisible by tubelet={tubelet}')
             pe_old = self.patch_embed
             self.patch_embed = TubeletEmbed(tuple(pe_old.img_size), pe_old.patch_size[0], num_frames, tubelet,
-                                            self.in_chans, self.embed_dim, bias=pe_old.proj.bias is not None)
+                                            self.in_chans, self.embed_dim, bias=pe_old.proj.bias is not None, **dd)
         self.patch_drop = PatchDropoutWithIndices(patch_drop_rate, num_prefix_tokens=self.num_prefix_tokens) \
             if patch_drop_rate > 0 else None
         head_dim = self.blocks[0].attn.head_dim if len(self.blocks) else self.embed_dim
@@ -121,11 +183,22 @@ class VisionTransformer(TimmVisionTransformer):
             dim=self.embed_dim, num_heads=self.blocks[0].attn.num_heads if len(self.blocks) else 1,
             head_dim=head_dim, depth=len(self.blocks), grid_size=tuple(self.patch_embed.grid_size),
             num_prefix_tokens=self.num_prefix_tokens, embed_prefix=not self.no_embed_class)
-        self.pe = create_pe(pe, self.pe_context)
+        self.pe = create_pe(pe, self.pe_context, **dd)
         if self.patch_drop is not None and 'between_blocks' in self.pe.hooks:
             raise ValueError(f'patch_drop_rate > 0 cannot be combined with pe={pe!r}: it needs the full token grid')
 
     # ------------------------------------------------------------------ timm contract
+    def init_weights(self, mode: str = '', needs_reset: bool = True) -> None:
+        """timm's `init_weights`, then the encoding's own initialisation (`reset_parameters`), which
+        replaces the generic ViT init of any layer inside the encoding."""
+        super().init_weights(mode, needs_reset)
+        pe = getattr(self, 'pe', None)  # timm's constructor initialises before the encoding exists
+        if pe is not None:
+            pe.reset_parameters()
+
+    def __prepare_scriptable__(self) -> 'VisionTransformer':
+        raise RuntimeError(_NO_TORCHSCRIPT)
+
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         return {'cls_token', 'reg_token', 'dist_token'} | {f'pe.{n}' for n in self.pe.no_weight_decay()}
@@ -144,41 +217,17 @@ class VisionTransformer(TimmVisionTransformer):
         self.pe_context = self.pe.ctx
 
     # ------------------------------------------------------------------ forward
-    def _check_input(self, x: torch.Tensor) -> None:
-        want = 5 if self.video else 4
-        if x.dim() != want:
-            layout = '(B, C, T, H, W)' if self.video else '(B, C, H, W)'
-            raise ValueError(f'input must be {layout}, got shape {tuple(x.shape)}')
-        ph, pw = self.patch_embed.patch_size
-        h, w = x.shape[-2:]
-        if (h % ph or w % pw) and not getattr(self.patch_embed, 'dynamic_img_pad', False):
-            raise ValueError(f'input size {h}x{w} is not divisible by the patch size {ph}x{pw}; '
-                             f'use a size that is a multiple of {ph}x{pw}')
-        if self.video and x.shape[2] % self.patch_embed.tubelet:
-            raise ValueError(f'clip length {x.shape[2]} is not divisible by tubelet={self.patch_embed.tubelet}')
-
     def positions(self, grid: Sequence[int], device: torch.device) -> P.Positions:
         """The positions of a token grid of this model (integer indices, prefix tokens first)."""
         return P.grid(*grid, num_prefix=self.num_prefix_tokens, train_grid=self.patch_embed.grid_size,
                       device=device)
 
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, P.Positions]:
-        self._check_input(x)
-        x = self.patch_embed(x)
-        if x.dim() > 3:  # channels-last grid
-            grid = tuple(x.shape[1:-1])
-            x = x.reshape(x.shape[0], -1, x.shape[-1])
-        else:
-            grid = tuple(self.patch_embed.grid_size)
-        prefix = []
-        if self.cls_token is not None:
-            prefix.append(self.cls_token.expand(x.shape[0], -1, -1))
-        if self.reg_token is not None:
-            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
-        if prefix:
-            x = torch.cat(prefix + [x], dim=1)
-        pos = self.positions(grid, x.device)
-        x = self.pos_drop(self.pe.embed(x, pos))
+        x = _checked_input(x, self.video, tuple(self.patch_embed.patch_size),
+                           getattr(self.patch_embed, 'dynamic_img_pad', False), getattr(self.patch_embed, 'tubelet', 1))
+        x, pos = _token_sequence(self.patch_embed(x), [self.cls_token, self.reg_token], self.num_prefix_tokens,
+                                 tuple(self.patch_embed.grid_size))
+        x = self.pos_drop(_pe_hook(self.pe, 'embed', x, pos))
         if self.patch_drop is not None:
             x, keep = self.patch_drop(x)
             if keep is not None:
@@ -187,15 +236,15 @@ class VisionTransformer(TimmVisionTransformer):
 
     def _blocks(self, x: torch.Tensor, pos: P.Positions, attn_mask: Optional[torch.Tensor], is_causal: bool,
                 take: Sequence[int] = (), stop: Optional[int] = None, norm: bool = False):
-        state = self.pe.prepare(pos)
+        state = _pe_hook(self.pe, 'prepare', pos)
         taken = []
         blocks = self.blocks if stop is None else self.blocks[:stop + 1]
         for i, blk in enumerate(blocks):
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, self.pe, state, attn_mask, is_causal)
+                x = checkpoint(blk, x, self.pe, state, attn_mask, is_causal, pos)
             else:
-                x = blk(x, pe=self.pe, state=state, attn_mask=attn_mask, is_causal=is_causal)
-            x = self.pe.between_blocks(x, pos, i)
+                x = blk(x, pe=self.pe, state=state, attn_mask=attn_mask, is_causal=is_causal, pos=pos)
+            x = _pe_hook(self.pe, 'between_blocks', x, pos, i)
             if i in take:
                 taken.append(self.norm(x) if norm else x)
         return x, taken
@@ -223,7 +272,6 @@ class VisionTransformer(TimmVisionTransformer):
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take, max_index = feature_take_indices(len(self.blocks), indices)
-        B = x.shape[0]
         x, pos = self._embed(x)
         x, inter = self._blocks(x, pos, attn_mask, is_causal, take=take,
                                 stop=max_index if stop_early else None, norm=norm)
@@ -233,7 +281,7 @@ class VisionTransformer(TimmVisionTransformer):
         if output_fmt == 'NCHW':
             if pos.grid is None:
                 raise ValueError("output_fmt='NCHW' needs the full token grid (disable patch dropout)")
-            inter = [y.reshape(B, *pos.grid, -1).movedim(-1, 1).contiguous() for y in inter]
+            inter = [y.unflatten(1, pos.grid).movedim(-1, 1).contiguous() for y in inter]
         if output_dict:
             out: Dict[str, Any] = {'image_intermediates': inter}
             if prefix is not None and return_prefix_tokens:
@@ -274,9 +322,12 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
 
     timm's own filter converts the formats it knows (patch-embed resampling, CLIP / DINOv2 layouts);
     then ``pos_embed`` moves into the learned encoding (resampled to its grid) or is dropped, and the
-    encoding's parameters are marked as initialised. Keys that the model lacks, or model weights the
-    checkpoint lacks outside the encoding and the classifier, raise: that is a different architecture.
-    The report is logged and stored as ``model.pretrained_report``.
+    encoding's parameters are marked as initialised. The classifier (``head.*``) is kept where the
+    model has one of the same shape, else dropped (a headless ``num_classes=0`` backbone, another
+    number of classes), and a model classifier the checkpoint does not fill is marked as
+    initialised. Other keys that the model lacks, or model weights the checkpoint lacks outside the
+    encoding and the classifier, raise: that is a different architecture. The report is logged and
+    stored as ``model.pretrained_report``.
     """
     sd = timm_checkpoint_filter_fn(state_dict, model)
     dropped, resampled = [], []
@@ -299,7 +350,12 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
                 sd[key] = v
         else:
             dropped.append('pos_embed')
-    model_keys = set(model.state_dict().keys())
+    model_sd = model.state_dict()
+    model_keys = set(model_sd)
+    for key in sorted(k for k in sd if k.startswith('head.')):
+        if key not in model_sd or sd[key].shape != model_sd[key].shape:
+            dropped.append(key)
+            del sd[key]
     unexpected = sorted(k for k in sd if k not in model_keys)
     missing = sorted(k for k in model_keys - set(sd) if not k.startswith('pe.') and not k.startswith('head.'))
     if unexpected or missing:
@@ -307,7 +363,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
             'checkpoint does not match this architecture (other depth, width or layout?): '
             f'unexpected keys {unexpected[:8]}{"..." if len(unexpected) > 8 else ""}, '
             f'missing keys {missing[:8]}{"..." if len(missing) > 8 else ""}')
-    initialized = sorted(k for k in model_keys if k.startswith('pe.') and k not in sd)
+    initialized = sorted(k for k in model_keys if k.startswith(('pe.', 'head.')) and k not in sd)
     report = LoadReport(dropped=dropped, initialized=initialized, resampled=resampled)
     model.pretrained_report = report
     _logger.info('vispe: loaded timm checkpoint into pe=%s: %s', model.pe.name, report)
@@ -317,21 +373,15 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
 def load_timm_checkpoint(model: VisionTransformer, checkpoint: Union[str, Dict[str, torch.Tensor]]) -> LoadReport:
     """Load a timm ViT checkpoint (path or state dict) into ``model``; returns what was dropped / initialised.
 
-    The classifier is kept when its shape matches and left initialised (and reported) otherwise.
+    The classifier is kept when its shape matches and left initialised (and reported) otherwise;
+    see `checkpoint_filter_fn`.
     """
     if isinstance(checkpoint, str):
         from timm.models import load_state_dict
         checkpoint = load_state_dict(checkpoint)
-    sd = checkpoint_filter_fn(dict(checkpoint), model)
-    report = model.pretrained_report
-    head = model.state_dict()
-    for k in [k for k in sd if k.startswith('head.')]:
-        if k not in head or sd[k].shape != head[k].shape:
-            sd.pop(k)
-            report.dropped.append(k)
-    missing = model.load_state_dict(sd, strict=False).missing_keys
-    report.initialized = sorted(set(report.initialized) | {k for k in missing if k.startswith('head.')})
-    return report
+    # the filter checked that the model's keys absent here are exactly the report's initialised ones
+    model.load_state_dict(checkpoint_filter_fn(dict(checkpoint), model), strict=False)
+    return model.pretrained_report
 
 
 # ---------------------------------------------------------------------- registration

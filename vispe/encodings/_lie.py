@@ -7,7 +7,8 @@ head and never per sample (except under training-time position jitter, where it 
 block-diagonal). What lives here:
 
 * `expm_skew`: ``exp`` of a batch of small skew-symmetric matrices (scaling and squaring of a
-  degree-12 Taylor polynomial; closed form for ``2 x 2``), faster than `torch.linalg.matrix_exp`;
+  degree-12 Taylor polynomial; closed form for ``2 x 2``), faster than `torch.linalg.matrix_exp`,
+  which serves where the number of squarings cannot be read from the data (tracing, meta tensors);
 * `linear_exp`: ``exp(sum_d p_d A_d)`` at every position at once: a complex pair table when
   ``b = 2`` (a learned-frequency RoPE, cos / sin in closed form), else ``b x b`` blocks whose Taylor
   part is one GEMM over monomials of the coordinates followed by a few squarings on a structure of
@@ -30,6 +31,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .._tracing import is_tracing
 from ..positions import Positions
 from .base import PEContext, PositionalEncoding
 from .rotary import angle_tables, compute_dtype, rotate_qk
@@ -53,6 +55,14 @@ def _taylor_theta(degree: int, dtype: torch.dtype) -> float:
     roundoff: theta^(m+1) / (m+1)! <= u (the tail bound for normal matrices, whose spectrum sets it)."""
     unit = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
     return (unit * math.factorial(degree + 1)) ** (1 / (degree + 1))
+
+
+def _squarings_readable(t: torch.Tensor) -> bool:
+    """Whether the number of squarings can be read from the data (`_num_squarings`' host sync): not
+    while tracing (torch.export / torch.compile see no values) nor on the meta device. There the
+    exponentials come from `torch.linalg.matrix_exp`, whose algorithm chooses its own scaling
+    inside the operator."""
+    return not (t.is_meta or is_tracing())
 
 
 def _num_squarings(bound: torch.Tensor, degree: int, dtype: torch.dtype) -> int:
@@ -89,6 +99,8 @@ def expm_skew(a: torch.Tensor) -> torch.Tensor:
         angle = a[..., 1, 0]
         c, s = angle.cos(), angle.sin()
         return torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2)
+    if not _squarings_readable(a):
+        return torch.linalg.matrix_exp(a.contiguous())  # it views its input: strided input fails
     eye = torch.eye(b, dtype=a.dtype, device=a.device)
     if a.numel() == 0:
         return a + eye
@@ -128,10 +140,14 @@ def axis_sum(coords: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
     return out.permute(*perm)
 
 
+Incidence = Tuple[Tuple[int, int], Tuple[Tuple[int, int], ...]]  # (shape, positions of the ones)
+
+
 @lru_cache(maxsize=None)
-def _monomial_plan(num_axes: int, degree: int) -> Tuple[Tuple[Tuple[int, ...], ...], Tuple[torch.Tensor, ...]]:
+def _monomial_plan(num_axes: int, degree: int) -> Tuple[Tuple[Tuple[int, ...], ...], Tuple[Incidence, ...]]:
     """Monomials of degree <= ``degree`` in D variables, graded; and per degree k >= 1 the 0/1 matrix
-    ``(n_k, D n_{k-1})`` that sends ``(axis d, monomial m of degree k - 1)`` to ``m p_d``."""
+    ``(n_k, D n_{k-1})`` that sends ``(axis d, monomial m of degree k - 1)`` to ``m p_d``, as its shape
+    and the positions of its ones (plain Python: this cache outlives any mode a tensor is made in)."""
     levels = [[(0,) * num_axes]]
     for _ in range(degree):
         levels.append(sorted({m[:d] + (m[d] + 1,) + m[d + 1:] for m in levels[-1] for d in range(num_axes)},
@@ -139,22 +155,39 @@ def _monomial_plan(num_axes: int, degree: int) -> Tuple[Tuple[Tuple[int, ...], .
     incidence = []
     for k in range(1, degree + 1):
         where = {m: i for i, m in enumerate(levels[k])}
-        inc = torch.zeros(len(levels[k]), num_axes * len(levels[k - 1]))
-        for d in range(num_axes):
-            for j, m in enumerate(levels[k - 1]):
-                inc[where[m[:d] + (m[d] + 1,) + m[d + 1:]], d * len(levels[k - 1]) + j] = 1
-        incidence.append(inc)
+        ones = tuple((where[m[:d] + (m[d] + 1,) + m[d + 1:]], d * len(levels[k - 1]) + j)
+                     for d in range(num_axes) for j, m in enumerate(levels[k - 1]))
+        incidence.append(((len(levels[k]), num_axes * len(levels[k - 1])), ones))
     return tuple(m for level in levels for m in level), tuple(incidence)
 
 
+def _build_plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch.dtype
+                        ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+    monomials, incidence = _monomial_plan(num_axes, degree)
+    matrices = []
+    for shape, ones in incidence:
+        rows, cols = zip(*ones)
+        inc = torch.zeros(shape, dtype=dtype)
+        inc[list(rows), list(cols)] = 1
+        matrices.append(inc.to(device))
+    return torch.tensor(monomials, dtype=dtype, device=device), tuple(matrices)
+
+
 @lru_cache(maxsize=None)
+def _cached_plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch.dtype, inference: bool
+                         ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+    """`_build_plan_tensors`, once per key; ``inference`` (whether inference mode is on) only keys."""
+    return _build_plan_tensors(num_axes, degree, device, dtype)
+
+
 def _plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch.dtype
                   ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
     """`_monomial_plan` as tensors on ``device``: the exponents ``(K, D)`` and the incidence matrices,
-    made once (each host-to-device copy of them would stall a GPU's queue)."""
-    monomials, incidence = _monomial_plan(num_axes, degree)
-    return (torch.tensor(monomials, dtype=dtype, device=device),
-            tuple(inc.to(device=device, dtype=dtype) for inc in incidence))
+    made once (each host-to-device copy of them would stall a GPU's queue). Inference-mode tensors
+    (which autograd refuses to save) are cached apart; while tracing nothing is cached."""
+    if is_tracing():
+        return _build_plan_tensors(num_axes, degree, device, dtype)
+    return _cached_plan_tensors(num_axes, degree, device, dtype, torch.is_inference_mode_enabled())
 
 
 def _word_sums(gen: torch.Tensor, degree: int) -> List[torch.Tensor]:
@@ -315,7 +348,7 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int]
     if gen.shape[-1] == 2:
         return pad_identity(axis_sum(coords, gen[..., 1, 0]), num_prefix, 'pair')
     num_axes = gen.shape[0]
-    if num_axes > _MAX_POLY_AXES:
+    if num_axes > _MAX_POLY_AXES or not _squarings_readable(gen):
         return pad_identity(expm_skew(axis_sum(coords, gen).contiguous()), num_prefix, 'block')
     squarings = _squarings(gen, coords) if squarings is None else squarings
     degree = _poly_degree(num_axes)
@@ -331,7 +364,7 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) 
     """
     if gen.shape[-1] == 2 or not (torch.is_grad_enabled() and gen.requires_grad):
         return linear_exp(gen, coords, num_prefix=num_prefix)
-    if gen.shape[0] > _MAX_POLY_AXES:
+    if gen.shape[0] > _MAX_POLY_AXES or not _squarings_readable(gen):
         return [linear_exp(g, coords, num_prefix=num_prefix)[0] for g in gen.split(1, dim=1)]
     squarings, degree = _squarings(gen, coords), _poly_degree(gen.shape[0])
     coef = _monomials(coords, squarings, degree)  # the same for every layer

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
+from .._tracing import is_tracing
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ._checks import check_nonnegative, check_positive
@@ -160,7 +161,8 @@ class SinCosPE(PositionalEncoding):
         return torch.cat(parts, dim=-1)
 
     def embedding(self, pos: Positions) -> torch.Tensor:
-        key = (pos.grid, pos.train_grid, pos.num_prefix, pos.device) if pos.grid is not None else None
+        cacheable = pos.grid is not None and not is_tracing()  # nothing made while tracing (fake) is kept
+        key = (pos.grid, pos.train_grid, pos.num_prefix, pos.device) if cacheable else None
         if key is not None and key in self._tables:
             return self._tables[key]
         emb = self.table(grid_coordinates(pos, self.grid_mode))

@@ -10,15 +10,19 @@ after ``q.k * scale``).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Tuple, \
+    TypeVar, Union
 
 import torch
 from torch import nn
 
+from .._tracing import is_tracing
 from ..positions import Positions
 
-__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'HOOKS', 'resolve_num_axes']
+__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'HOOKS', 'resolve_num_axes', 'autocast_off',
+           'build_with_factory_kwargs']
 
 HOOKS = ('embed', 'between_blocks', 'qk', 'bias', 'value', 'output', 'weights_value')
 
@@ -79,7 +83,14 @@ class PositionalEncoding(nn.Module):
 
     State that depends only on positions and parameters is built in `_prepare` once per forward
     and shared by all layers; `prepare` caches it in eval mode under ``no_grad`` while the
-    positions and parameters are unchanged.
+    positions and parameters are unchanged (never while traced, and inference-mode state apart).
+
+    Initialisation has one definition, the constructor: `reset_parameters` (called by the ViT's
+    ``init_weights``, e.g. after building on the meta device and ``to_empty``) builds a fresh twin
+    from the arguments this encoding was constructed with and copies its tensors in, so every
+    parameter and buffer gets exactly what construction gives it (the same values for the same
+    random state). `init_non_persistent_buffers` does this for the buffers that checkpoints do
+    not hold, leaving parameters and the random state alone.
     """
     shift_invariant: ClassVar[Optional[bool]] = None
     larger_input: ClassVar[str] = 'n/a'
@@ -88,6 +99,12 @@ class PositionalEncoding(nn.Module):
     changes_head_dim: ClassVar[bool] = False
     requires: ClassVar[FrozenSet[str]] = frozenset()
     name: ClassVar[str] = ''
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> 'PositionalEncoding':
+        self = super().__new__(cls)
+        # the constructor's arguments, from which `reset_parameters` builds a fresh twin
+        object.__setattr__(self, '_init_args', (args, kwargs))
+        return self
 
     def __init__(self, ctx: PEContext) -> None:
         super().__init__()
@@ -112,7 +129,7 @@ class PositionalEncoding(nn.Module):
     # ----------------------------------------------------------------- state
     def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> Any:
         """Build the per-forward state shared by all layers (cached in eval mode)."""
-        cacheable = not self.training and not torch.is_grad_enabled() and not _compiling()
+        cacheable = not self.training and not torch.is_grad_enabled() and not is_tracing()
         if not cacheable:
             return self._full_precision_prepare(pos_q, pos_k)
         versions = tuple(p._version for p in self.parameters()) + (torch.is_inference_mode_enabled(),)
@@ -128,7 +145,7 @@ class PositionalEncoding(nn.Module):
     def _full_precision_prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Any:
         # state is built from positions and parameters in their own precision: under autocast the
         # matrix products here (rotation exponentials, camera geometry) would otherwise run in bf16
-        with torch.autocast(device_type=pos_q.coords.device.type, enabled=False):
+        with autocast_off(pos_q.coords.device):
             return self._prepare(pos_q, pos_k)
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Any:
@@ -149,6 +166,42 @@ class PositionalEncoding(nn.Module):
         """Adapt grid-shaped parameters to a new training grid (``set_input_size``)."""
         self.ctx = PEContext(**{**self.ctx.__dict__, 'grid_size': tuple(grid_size)})
         self._cache = None
+
+    # ----------------------------------------------------------------- initialisation
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise every parameter and buffer as construction does (timm's ``reset_parameters``)."""
+        fresh = self._twin()
+        self._copy_from(dict(fresh.named_parameters()) | dict(fresh.named_buffers()))
+
+    @torch.no_grad()
+    def init_non_persistent_buffers(self) -> None:
+        """Recompute the buffers that are not saved in checkpoints (e.g. after ``to_empty`` and loading
+        a state dict); parameters, saved buffers and the random state stay as they are."""
+        with torch.random.fork_rng(devices=[]):
+            fresh = self._twin()
+        self._copy_from({
+            f'{prefix}.{name}' if prefix else name: buf
+            for prefix, module in fresh.named_modules() for name, buf in module.named_buffers(recurse=False)
+            if name in module._non_persistent_buffers_set})
+
+    def _twin(self) -> 'PositionalEncoding':
+        """A newly constructed encoding with this one's class, arguments and current context, on the
+        meta device if this one is there, else on the CPU (its values are copied over)."""
+        args, kwargs = self._init_args
+        if args:
+            args = (self.ctx,) + tuple(args[1:])
+        else:
+            kwargs = {**kwargs, 'ctx': self.ctx}
+        meta = any(t.is_meta for t in self.parameters()) or any(t.is_meta for t in self.buffers())
+        with torch.device('meta' if meta else 'cpu'):
+            return type(self)(*args, **kwargs)
+
+    def _copy_from(self, tensors: Dict[str, torch.Tensor]) -> None:
+        own = dict(self.named_parameters()) | dict(self.named_buffers())
+        for name, value in tensors.items():
+            own[name].copy_(value)
+        self.clear_cache()
 
     # ----------------------------------------------------------------- hooks
     def embedding(self, pos: Positions) -> torch.Tensor:
@@ -188,8 +241,27 @@ class PositionalEncoding(nn.Module):
         return self.name
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+def autocast_off(device: torch.device) -> ContextManager:
+    """A region without autocast on ``device`` (float32 phases, exponentials, camera geometry), or no
+    change where autocast does not exist for the device type (meta tensors)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+M = TypeVar('M', bound=nn.Module)
+
+
+def build_with_factory_kwargs(build: Callable[[], M], device: Optional[Union[str, torch.device]] = None,
+                              dtype: Optional[torch.dtype] = None) -> M:
+    """``build()`` with timm's factory kwargs: on the meta device it is built there directly (nothing
+    is allocated; ``reset_parameters`` initialises it after ``to_empty``); otherwise it is built, then
+    moved to ``device`` and its floating-point tensors cast to ``dtype``, as `nn.Module.to` does.
+    Encodings compute their angles, phases and exponentials in float32 whatever their dtype."""
+    device = torch.device(device) if device is not None else None
+    with device if device is not None and device.type == 'meta' else contextlib.nullcontext():
+        module = build()
+    return module.to(device=device, dtype=dtype) if device is not None or dtype is not None else module
 
 
 class ComposedPE(PositionalEncoding):
@@ -212,6 +284,14 @@ class ComposedPE(PositionalEncoding):
     @property
     def hooks(self) -> FrozenSet[str]:
         return frozenset().union(*(e.hooks for e in self.encodings))
+
+    def reset_parameters(self) -> None:
+        for e in self.encodings:
+            e.reset_parameters()
+
+    def init_non_persistent_buffers(self) -> None:
+        for e in self.encodings:
+            e.init_non_persistent_buffers()
 
     @property
     def flash_eligible(self) -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..positions import Positions
 from ..registry import register_pe
-from .base import PEContext, PositionalEncoding
+from .base import PEContext, PositionalEncoding, autocast_off
 
 __all__ = ['FrequencyEncoding', 'GaussianFourierFeatures', 'NeRFFrequencyPE', 'GaussianFourierPE',
            'CoordinatePE', 'unit_coordinates']
@@ -78,18 +78,22 @@ class FrequencyEncoding(nn.Module):
             raise ValueError(f"layout must be 'nerf' or 'grouped', got {layout!r}")
         if levels == 0 and not include_input:
             raise ValueError('levels=0 with include_input=False encodes nothing')
-        if log_sampling:
-            freqs = 2.0 ** torch.linspace(0.0, levels - 1, levels)
-        else:
-            freqs = torch.linspace(1.0, 2.0 ** (levels - 1), levels)
-        if multiply_pi:
-            freqs = freqs * math.pi
-        self.register_buffer('freqs', freqs, persistent=False)
         self.input_dim = input_dim
         self.levels = levels
         self.include_input = include_input
+        self.multiply_pi = multiply_pi
+        self.log_sampling = log_sampling
         self.layout = layout
         self.out_dim = input_dim * (int(include_input) + 2 * levels)
+
+    def frequencies(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The L frequencies ``f_k``, float32. Computed where they are used rather than kept as a
+        buffer: a buffer would follow the model to bf16, and ``2^k pi`` is not exact there."""
+        if self.log_sampling:
+            freqs = 2.0 ** torch.linspace(0.0, self.levels - 1, self.levels, device=device)
+        else:
+            freqs = torch.linspace(1.0, 2.0 ** (self.levels - 1), self.levels, device=device)
+        return freqs * math.pi if self.multiply_pi else freqs
 
     def forward(self, coords: torch.Tensor) -> torch.Tensor:
         if coords.shape[-1] != self.input_dim:
@@ -97,7 +101,7 @@ class FrequencyEncoding(nn.Module):
                              f'{coords.shape[-1]}D')
         dtype = coords.dtype
         coords = coords.float()  # float32 phases: 2^(L-1) x at L = 10 needs the mantissa
-        freqs = self.freqs
+        freqs = self.frequencies(coords.device)
         if self.layout == 'nerf':
             scaled = coords[..., None, :] * freqs[:, None]  # (..., L, D)
             feats = torch.stack([scaled.sin(), scaled.cos()], dim=-2).flatten(-3)
@@ -153,7 +157,7 @@ class GaussianFourierFeatures(nn.Module):
                              f'{coords.shape[-1]}D')
         # phases reach hundreds of radians: compute them in float32 even under autocast (bf16 would
         # be off by a large fraction of a period)
-        with torch.autocast(device_type=coords.device.type, enabled=False):
+        with autocast_off(coords.device):
             proj = (2 * math.pi) * coords.float() @ self.B.float().t()
         parts = (proj.cos(), proj.sin()) if self.order == 'cos_sin' else (proj.sin(), proj.cos())
         return torch.cat(parts, dim=-1).to(coords.dtype)
@@ -199,7 +203,7 @@ class CoordinatePE(PositionalEncoding):
     def embedding(self, pos: Positions) -> torch.Tensor:
         feats = self.encode(unit_coordinates(pos, self.grid_range).float())
         if self.proj is not None:
-            feats = self.proj(feats)
+            feats = self.proj(feats.to(self.proj.weight.dtype))  # a bf16 model's projection takes bf16
         elif feats.shape[-1] != self.ctx.dim:
             raise ValueError(f'encoding {self.name!r} with project=False gives {feats.shape[-1]} features but the '
                              f'tokens have dim={self.ctx.dim}; set project=True')

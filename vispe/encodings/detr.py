@@ -17,6 +17,7 @@ from typing import Dict
 import torch
 from torch import nn
 
+from .._tracing import is_tracing
 from ..positions import Positions
 from ..registry import register_pe
 from ._checks import check_positive
@@ -110,18 +111,22 @@ class DetrSine(PositionalEncoding):
 
     def embedding(self, pos: Positions) -> torch.Tensor:
         not_mask = _grid_mask(pos, self.name)
-        if bool(not_mask.all()):  # no padding: rows and columns are separable, one table per grid
+        # no padding: rows and columns are separable, one table per grid (none kept while tracing)
+        if pos.key_padding_mask is None or bool(not_mask.all()):
             key = (pos.grid, pos.num_prefix, pos.device)
-            if key not in self._tables:
+            if key not in self._tables or is_tracing():
                 h, w = pos.grid
                 y = torch.arange(1, h + 1, dtype=torch.float32, device=pos.device)
                 x = torch.arange(1, w + 1, dtype=torch.float32, device=pos.device)
                 fy = self.features(self._normalized(y, y[-1:]))
                 fx = self.features(self._normalized(x, x[-1:]))
                 emb = torch.cat([fy[:, None].expand(-1, w, -1), fx[None].expand(h, -1, -1)], -1)
+                emb = _pad_prefix_rows(emb.reshape(1, h * w, -1), pos.num_prefix)
+                if is_tracing():
+                    return emb
                 if len(self._tables) >= 32:
                     self._tables.pop(next(iter(self._tables)))
-                self._tables[key] = _pad_prefix_rows(emb.reshape(1, h * w, -1), pos.num_prefix)
+                self._tables[key] = emb
             return self._tables[key]
         y_embed = not_mask.cumsum(1, dtype=torch.float32)
         x_embed = not_mask.cumsum(2, dtype=torch.float32)
@@ -168,9 +173,12 @@ class DetrLearned(PositionalEncoding):
         if pos.ndim != 2:
             raise ValueError(f"encoding 'detr_learned' needs 2D (row, col) positions, got {pos.ndim} axes")
         index = pos.coords.round().long()
-        if not torch.equal(index.to(pos.coords.dtype), pos.coords):
-            raise ValueError("encoding 'detr_learned' needs integer grid coordinates (vispe.positions.grid)")
-        lo, hi = int(index.min()), int(index.max())
+        if pos.grid is not None:  # integer indices by construction: the range is known without reading them
+            lo, hi = 0, max(pos.grid) - 1
+        else:
+            if not torch.equal(index.to(pos.coords.dtype), pos.coords):
+                raise ValueError("encoding 'detr_learned' needs integer grid coordinates (vispe.positions.grid)")
+            lo, hi = int(index.min()), int(index.max())
         if lo < 0 or hi >= self.num_embeddings:
             raise ValueError(f"encoding 'detr_learned' has {self.num_embeddings} rows/columns (option "
                              f"'num_embeddings'), positions reach index {hi if hi >= 0 else lo}")

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
-from .base import PEContext, PositionalEncoding, resolve_num_axes
+from .base import PEContext, PositionalEncoding, autocast_off, resolve_num_axes
 
 __all__ = ['LearnableFourierFeatures', 'LearnableFourierPE', 'WrInit']
 
@@ -80,7 +80,7 @@ class LearnableFourierFeatures(nn.Module):
             raise ValueError(f'LearnableFourierFeatures expects coordinates (..., G={self.groups}, '
                              f'M={self.pos_dim}), got shape {tuple(x.shape)}')
         # phases in float32 even under autocast: bf16 phases lose the high frequencies
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x.device):
             proj = F.linear(x.float(), self.Wr.weight.float())
         feats = torch.cat([proj.cos(), proj.sin()], dim=-1).to(self.Wr.weight.dtype) / math.sqrt(self.fourier_dim)
         return self.mlp(feats).flatten(-2)
@@ -122,9 +122,10 @@ class LearnableFourierPE(PositionalEncoding):
     ) -> None:
         super().__init__(ctx)
         self.num_axes = resolve_num_axes(ctx, num_axes, self.name)
-        if self.num_axes % groups:
+        allowed = [g for g in range(1, self.num_axes + 1) if self.num_axes % g == 0]
+        if groups not in allowed:
             raise ValueError(f"option 'groups' of encoding 'fourier_learnable' must divide the {self.num_axes} "
-                             f'coordinate axes, got groups={groups}')
+                             f'coordinate axes (allowed: {", ".join(map(str, allowed))}), got groups={groups}')
         self.grid_mode = grid_mode
         self.features = LearnableFourierFeatures(
             self.num_axes // groups, ctx.dim, groups=groups, fourier_dim=fourier_dim, hidden_dim=hidden_dim,

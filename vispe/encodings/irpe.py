@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from typing import Dict, FrozenSet, Literal, Optional, Tuple
 
 import torch
+from timm.layers import trunc_normal_
 from torch import nn
 
+from .._tracing import is_tracing
 from ..positions import Positions
 from ..registry import register_pe
+from ._checks import check_nonnegative
 from .base import PEContext, PositionalEncoding
 
 __all__ = ['IRPE', 'piecewise_index', 'irpe_bucket_ids', 'irpe_num_buckets', 'IRPEMethod']
@@ -174,6 +177,8 @@ class IRPE(PositionalEncoding):
             the released DeiT models' value for the method: product 1.9, cross 20, euclidean 20,
             quantization 33.
         shared_heads: one table for all heads (True) or one per head.
+        init_std: 0 (default): zero tables, as released; > 0: timm's ``trunc_normal_`` of this std (as
+            ``swin_rpb``); ``on='v', init_std=1`` learns position within a short run (see above).
     """
     shift_invariant = True
     larger_input = 'extrapolate'
@@ -188,6 +193,7 @@ class IRPE(PositionalEncoding):
             on: IRPEOn = 'k',
             ratio: Optional[float] = None,
             shared_heads: bool = True,
+            init_std: float = 0.0,
     ) -> None:
         super().__init__(ctx)
         ratio = DEFAULT_RATIO[method] if ratio is None else ratio
@@ -208,11 +214,17 @@ class IRPE(PositionalEncoding):
         self.table_k = nn.Parameter(torch.zeros(logit_shape)) if 'k' in on else None
         self.table_q = nn.Parameter(torch.zeros(logit_shape)) if 'q' in on else None
         self.table_v = nn.Parameter(torch.zeros(L, hs, U, hd)) if 'v' in on else None
+        if check_nonnegative(self.name, 'init_std', init_std):  # the released `initializer` hook (unused: zeros)
+            for table in (self.table_k, self.table_q, self.table_v):
+                if table is not None:
+                    trunc_normal_(table, std=init_std)
         self._grid_cache: Dict[tuple, torch.Tensor] = {}
 
     @property
     def hooks(self) -> FrozenSet[str]:
-        hooks = super().hooks  # drop the hooks of the parts that are off, so SDPA stays where it can
+        # drop the hooks of the parts that are off, so SDPA stays where it can (the base property is
+        # called directly: torch.compile reads `super().hooks` as the property object itself)
+        hooks = PositionalEncoding.hooks.fget(self)
         if self.table_v is None:
             hooks = hooks - {'weights_value'}
         if self.table_k is None and self.table_q is None:
@@ -227,8 +239,11 @@ class IRPE(PositionalEncoding):
             raise ValueError("encoding 'irpe' was built without prefix tokens (num_prefix_tokens=0) but the "
                              f'positions have {pos_q.num_prefix} / {pos_k.num_prefix} prefix tokens')
         key = None
-        if pos_q.grid is not None and pos_k.grid is not None:  # grid positions are fixed by the grid shape
-            key = (pos_q.grid, pos_q.num_prefix, pos_k.grid, pos_k.num_prefix, pos_q.device)
+        # grid positions are fixed by the grid shape; ids made in inference mode (which autograd refuses
+        # to save) are kept apart, and none made while tracing (fake tensors) are kept at all
+        if pos_q.grid is not None and pos_k.grid is not None and not is_tracing():
+            key = (pos_q.grid, pos_q.num_prefix, pos_k.grid, pos_k.num_prefix, pos_q.device,
+                   torch.is_inference_mode_enabled())
             if key in self._grid_cache:
                 return self._grid_cache[key]
         ids = irpe_bucket_ids(pos_q, pos_k, self.method, self.ratio, prefix_bucket=self.has_prefix_bucket)

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._tracing import is_tracing
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ._lie import (
@@ -101,7 +102,11 @@ class StringCayley(PositionalEncoding):
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]):
         # per-layer tensors: indexing one (L, ...) tensor per layer would build full-size gradients
-        mix = None if bool(self.folded) else self.orthogonal().unbind(0)
+        if self.folded.is_meta or is_tracing():  # the flag has no value to branch on: P, or I once folded
+            p = self.orthogonal()
+            mix = torch.where(self.folded, torch.eye(p.shape[-1], dtype=p.dtype, device=p.device), p).unbind(0)
+        else:
+            mix = None if bool(self.folded) else self.orthogonal().unbind(0)
         angle_q = angle_tables(self.angles(pos_q).unbind(0))
         return mix, angle_q, (angle_q if pos_k is None else angle_tables(self.angles(pos_k).unbind(0)))
 
@@ -150,7 +155,7 @@ class StringCayley(PositionalEncoding):
         return len(attns)
 
     def extra_repr(self) -> str:
-        return f'axes={self.rope.num_axes}, folded={bool(self.folded)}'
+        return f'axes={self.rope.num_axes}, folded={"?" if self.folded.is_meta else bool(self.folded)}'
 
 
 @register_pe('string_circulant')

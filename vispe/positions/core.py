@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional, Sequence, Tuple
 
 import torch
 
+from .._tracing import is_tracing
+
 __all__ = ['Positions', 'GridMode', 'grid', 'points', 'grid_coordinates']
 
 GridMode = Literal['index', 'normalized']
@@ -108,10 +110,28 @@ class Positions:
         return True
 
 
-@lru_cache(maxsize=64)
-def _grid_index(shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _build_grid_index(shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     axes = [torch.arange(n, device=device, dtype=dtype) for n in shape]
     return torch.stack(torch.meshgrid(*axes, indexing='ij'), dim=-1).reshape(-1, len(shape))
+
+
+@lru_cache(maxsize=64)
+def _cached_grid_index(shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype,
+                       inference: bool) -> torch.Tensor:
+    """`_build_grid_index`, once per key; ``inference`` (whether inference mode is on) only keys."""
+    return _build_grid_index(shape, device, dtype)
+
+
+def _grid_index(shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The grid's index coordinates, one tensor per (shape, device, dtype) while not traced.
+
+    Reusing the same tensor lets the encodings' eval cache recognise the positions by identity
+    (no device sync). Tensors made in inference mode are inference tensors, which autograd refuses
+    to save, so they are cached apart; nothing made while tracing (fake tensors) is cached.
+    """
+    if is_tracing():
+        return _build_grid_index(shape, device, dtype)
+    return _cached_grid_index(shape, device, dtype, torch.is_inference_mode_enabled())
 
 
 def grid(
