@@ -7,6 +7,8 @@ measured in the same process, interleaved round by round.
     python benchmarks/pe_overhead.py                       # ViT-S and ViT-B, batch 8, every encoding
     python benchmarks/pe_overhead.py --models vit_base --pes rope_axial rope_mixed --rounds 9
     python benchmarks/pe_overhead.py --device cuda --dtype bfloat16
+    python benchmarks/pe_overhead.py --compile --models vit_small    # torch.compile(fullgraph=True) models,
+                                                                     # ratios against compiled pe='none'
 
 Targets (issue #2): learned, sincos, rope_axial <= 1.01x; rope_mixed <= 1.02x (eval and train).
 """
@@ -32,14 +34,17 @@ def _model(name: str, pe: str, device: torch.device, dtype: torch.dtype) -> torc
 
 
 def bench(name: str, pes: List[str], batch: int, size: int, rounds: int, device: torch.device,
-          dtype: torch.dtype, memory: bool, clock: str = 'wall') -> Dict[str, Dict[str, float]]:
+          dtype: torch.dtype, memory: bool, clock: str = 'wall', compile: bool = False
+          ) -> Dict[str, Dict[str, float]]:
     torch.manual_seed(0)
     x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
     y = torch.randint(0, 1000, (batch,), device=device)
     models = {pe: _model(name, pe, device, dtype) for pe in ['none'] + [p for p in pes if p != 'none']}
+    # compiled, each model is compiled once per mode in compare's warm-up rounds; memory stays eager
+    timed = {pe: torch.compile(m, fullgraph=True) for pe, m in models.items()} if compile else models
 
-    t_eval = compare({pe: eval_step(m, x) for pe, m in models.items()}, rounds=rounds, device=device, clock=clock)
-    t_train = compare({pe: train_step(m, x, y) for pe, m in models.items()}, rounds=rounds, device=device, clock=clock)
+    t_eval = compare({pe: eval_step(m, x) for pe, m in timed.items()}, rounds=rounds, device=device, clock=clock)
+    t_train = compare({pe: train_step(m, x, y) for pe, m in timed.items()}, rounds=rounds, device=device, clock=clock)
     mem = {pe: peak_memory(train_step(m, x, y), device) for pe, m in models.items()} if memory else {}
     out = {}
     for pe in models:
@@ -49,7 +54,7 @@ def bench(name: str, pes: List[str], batch: int, size: int, rounds: int, device:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--models', nargs='+', default=['vit_small', 'vit_base'])
     ap.add_argument('--pes', nargs='+', default=None, help='encodings (default: every registered one)')
@@ -62,15 +67,18 @@ def main() -> None:
     ap.add_argument('--threads', type=int, default=None, help='torch CPU threads (1 on a shared machine)')
     ap.add_argument('--clock', default='wall', choices=['wall', 'process'],
                     help="'process': CPU time of this process, for a machine shared with other jobs")
-    args = ap.parse_args()
+    ap.add_argument('--compile', action='store_true',
+                    help='time torch.compile(fullgraph=True) models (ratios against compiled none)')
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     pes = args.pes or [p for p in vispe.list_pes() if not vispe.pe_info(p)['cls'].requires]
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     print(f'device={device} dtype={args.dtype} batch={args.batch} size={args.size} '
-          f'threads={torch.get_num_threads()} clock={args.clock}')
+          f'threads={torch.get_num_threads()} clock={args.clock} compiled={args.compile}')
     for name in args.models:
-        res = bench(name, pes, args.batch, args.size, args.rounds, device, dtype, not args.no_memory, args.clock)
+        res = bench(name, pes, args.batch, args.size, args.rounds, device, dtype, not args.no_memory, args.clock,
+                    args.compile)
         base = res['none']
         print(f'\n{name}: none eval {base["eval_ms"]:.1f} ms, train {base["train_ms"]:.1f} ms')
         print(f'{"encoding":<24}{"eval x":>9}{"train x":>9}{"memory x":>10}')

@@ -1,4 +1,5 @@
 """The benchmark helpers measure what they claim (the scripts' figures rest on them)."""
+import pytest
 import torch
 
 from benchmarks._timing import TensorMemory, peak_memory, train_step
@@ -60,3 +61,13 @@ def test_ab_overhead_measures_ratios_of_the_given_checkout():
     ratios = measure(ROOT, ['rope_axial'], 'vit_tiny', batch=2, img=32, rounds=1, train=True, evaluate=True)
     assert set(ratios) == {'eval', 'train'} and set(ratios['train']) == {'rope_axial'}
     assert all(0 < r < 100 for row in ratios.values() for r in row.values())
+
+
+@pytest.mark.parametrize('compiled', [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_pe_overhead_prints_ratios_against_no_encoding(capsys, compiled):
+    from benchmarks.pe_overhead import main
+    main(['--models', 'vit_tiny', '--pes', 'rope_axial', '--batch', '1', '--size', '32', '--rounds', '1',
+          '--no-memory'] + (['--compile'] if compiled else []))
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[3:] if line.strip()}
+    assert float(rows['none'][0]) == 1.0 and float(rows['none'][1]) == 1.0  # the reference row
+    assert all(float(v) > 0 for v in rows['rope_axial'][:2])

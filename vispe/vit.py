@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
-from timm.layers import PatchDropoutWithIndices, is_scriptable, resample_abs_pos_embed
+import torch.nn.functional as F
+from timm.layers import Format, PatchDropoutWithIndices, is_scriptable, nchw_to, resample_abs_pos_embed
+from timm.layers import PatchEmbed as TimmPatchEmbed
 from timm.models import generate_default_cfgs, register_model
 from timm.models._builder import build_model_with_cfg
 from timm.models._features import feature_take_indices
@@ -30,7 +32,7 @@ from .encodings.absolute import LearnedPE
 from .encodings.base import ComposedPE, PEContext, PositionalEncoding
 from .registry import PESpec, create_pe
 
-__all__ = ['VisionTransformer', 'PEBlock', 'TubeletEmbed', 'VIT_SIZES', 'checkpoint_filter_fn',
+__all__ = ['VisionTransformer', 'PEBlock', 'PatchEmbed', 'TubeletEmbed', 'VIT_SIZES', 'checkpoint_filter_fn',
            'load_timm_checkpoint']
 
 _logger = logging.getLogger(__name__)
@@ -92,6 +94,24 @@ class PEBlock(Block):
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), pe=pe, state=state, attn_mask=attn_mask,
                                                    is_causal=is_causal, pos=pos)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+class PatchEmbed(TimmPatchEmbed):
+    """timm's `PatchEmbed` (same parameters and options) without its input-size asserts, which
+    format the size into their message and so pin every input size under
+    ``torch.compile(dynamic=True)`` (one recompilation per size); the ViT checks the size itself
+    (`_checked_input`), with a message that names the patch size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dynamic_img_pad:
+            ph, pw = self.patch_size
+            x = F.pad(x, (0, -x.shape[-1] % pw, 0, -x.shape[-2] % ph))
+        x = self.proj(x)
+        if self.flatten:
+            x = x.flatten(2).transpose(1, 2)  # NCHW -> NLC
+        elif self.output_fmt != Format.NCHW:
+            x = nchw_to(x, self.output_fmt)
+        return self.norm(x)
 
 
 class TubeletEmbed(nn.Module):
@@ -165,6 +185,7 @@ class VisionTransformer(TimmVisionTransformer):
                 raise ValueError(f'{arg} must be a positive integer, got {value!r}')
         dd = {'device': kwargs.get('device'), 'dtype': kwargs.get('dtype')}
         patch_drop_rate = kwargs.pop('patch_drop_rate', 0.0)
+        kwargs.setdefault('embed_layer', PatchEmbed)
         super().__init__(pos_embed='none', dynamic_img_size=dynamic_img_size, block_fn=PEBlock,
                          attn_layer=PEAttention, **kwargs)
         for i, blk in enumerate(self.blocks):

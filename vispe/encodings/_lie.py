@@ -100,7 +100,9 @@ def expm_skew(a: torch.Tensor) -> torch.Tensor:
         c, s = angle.cos(), angle.sin()
         return torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2)
     if not _squarings_readable(a):
-        return torch.linalg.matrix_exp(a.contiguous())  # it views its input: strided input fails
+        # as one (M, b, b) batch: matrix_exp views its input, and fails on a strided one (which
+        # inductor hands it for a batch of more dims)
+        return torch.linalg.matrix_exp(a.reshape(-1, b, b).contiguous()).view(a.shape)
     eye = torch.eye(b, dtype=a.dtype, device=a.device)
     if a.numel() == 0:
         return a + eye

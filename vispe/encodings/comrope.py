@@ -23,7 +23,7 @@ from ._lie import (
     skew, token_grid,
 )
 from ._checks import check_nonnegative
-from .base import PEContext, resolve_num_axes
+from .base import PEContext, PositionalEncoding, resolve_num_axes
 
 __all__ = ['ComRoPEAP', 'ComRoPELD']
 
@@ -77,7 +77,7 @@ class _ComRoPE(RotationPE):
 
     @property
     def hooks(self) -> FrozenSet[str]:
-        hooks = super().hooks
+        hooks = PositionalEncoding.hooks.fget(self)  # torch.compile reads `super().hooks` as the property
         return hooks if self.pos_embed is not None else hooks - {'embed'}
 
     def no_weight_decay(self) -> set:

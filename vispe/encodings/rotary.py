@@ -302,6 +302,8 @@ def _mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     attention's output keeps the projection's layout; matmul (which copies ``x``) if no view exists.
     """
     x = x.to(mix.dtype)
+    if is_tracing():  # the layout search below does not trace; the compiler plans the product itself
+        return x @ mix.transpose(-1, -2)
     head, hd = x.dim() - 3, x.shape[-1]
     others = [d for d in range(head) if x.shape[d] != 1]
     candidates = sorted((c for n in range(len(others) + 1) for c in itertools.combinations(others, n)),
@@ -443,9 +445,10 @@ def _stack(inputs: Sequence[torch.Tensor], as_view: bool = False) -> torch.Tenso
     with ``as_view``, no copy at all where `_stacked_view` finds one."""
     if len(inputs) == 1:
         return inputs[0]
+    if is_tracing():  # strides and storage offsets do not trace; compiled, the stack fuses anyway
+        return torch.stack(list(inputs))
     first = inputs[0]
-    # storage pointers and offsets do not trace; compiled, the stack fuses into the kernel anyway
-    view = _stacked_view(inputs) if as_view and not torch.compiler.is_compiling() else None
+    view = _stacked_view(inputs) if as_view else None
     if view is not None:
         return view
     order = sorted(range(first.dim() - 1), key=lambda d: -first.stride(d)) + [first.dim() - 1]  # channels last
@@ -528,7 +531,8 @@ def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind
             ) -> Tuple[torch.Tensor, ...]:
     if _fused(kind, inputs, params):
         return _triton_rotary.rotate(inputs, params[0], kind)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)):
+    # traced, autograd runs through the reference kernels: the compiler decides what to save itself
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)) and not is_tracing():
         out = _SavedOutputRotation.apply(kind, block, len(inputs), *inputs, *params)
         return (out,) if len(inputs) == 1 else out
     out = _forward(kind, block, _stack(inputs, as_view=_KERNELS[kind].reads_views), params, keep_layout=False)
