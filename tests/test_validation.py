@@ -77,6 +77,7 @@ POSITIVE_OPTIONS = [
     ('prope', 'theta'), ('sincos', 'temperature'), ('detr_sine', 'temperature'), ('detr_sine', 'scale'),
     ('detr_sine', 'eps'),
     ('rope_axial', 'scaling_factor'), ('rope_mixed', 'scaling_factor'), ('gta_multiview', 'max_freq'),
+    ('fourier_gaussian', 'scale'),
 ]
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..positions import Positions
 from ..registry import register_pe
+from ._checks import check_positive
 from .base import PEContext, PositionalEncoding, autocast_off
 
 __all__ = ['FrequencyEncoding', 'GaussianFourierFeatures', 'NeRFFrequencyPE', 'GaussianFourierPE',
@@ -141,8 +142,8 @@ class GaussianFourierFeatures(nn.Module):
         super().__init__()
         if input_dim <= 0 or num_features <= 0:
             raise ValueError(f'input_dim and num_features must be positive, got {input_dim} and {num_features}')
-        if scale <= 0:
-            raise ValueError(f'scale must be positive, got {scale}')
+        if not (math.isfinite(scale) and scale > 0):  # inf draws inf frequencies: NaN features
+            raise ValueError(f'scale must be a finite number > 0, got {scale}')
         if order not in ('cos_sin', 'sin_cos'):
             raise ValueError(f"order must be 'cos_sin' or 'sin_cos', got {order!r}")
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -294,5 +295,6 @@ class GaussianFourierPE(CoordinatePE):
             project: bool = True,
             grid_range: GridRange = 'unit',
     ) -> None:
+        check_positive('fourier_gaussian', 'scale', scale)
         encoder = GaussianFourierFeatures(self.default_input_dim(ctx, input_dim), num_features, scale, order, seed)
         super().__init__(ctx, encoder, project, grid_range)
