@@ -298,6 +298,17 @@ def test_irpe_rejects_bad_options():
         pe.prepare(vispe.grid(4, 4, num_prefix=1))
 
 
+def test_irpe_tables_are_zeros_by_default_and_drawn_with_init_std():
+    kw = dict(dim=64, num_heads=4, depth=2, grid_size=(4, 4), num_prefix_tokens=1)
+    assert all((t == 0).all() for t in create_pe('irpe:on=qkv', **kw).parameters())
+    drawn = create_pe('irpe:on=qkv,init_std=0.5', **kw)
+    assert len(list(drawn.parameters())) == 3
+    for t in drawn.parameters():
+        assert 0.45 < t.std() < 0.55 and t.abs().max() <= 2  # timm's trunc_normal_: cut at +-2
+    with pytest.raises(ValueError, match="'init_std'"):
+        create_pe('irpe:init_std=-1', **kw)
+
+
 class _Attention(torch.nn.Module):
     def __init__(self, pe, pos, layer):
         super().__init__()

@@ -29,6 +29,7 @@ import vispe
 
 from ..config import Config, ConfigError, option
 from ..data import ImageFolderDataset, SpatialShapes, split_dir
+from ..data.digits import write_digits
 from ..data.synthetic import SyntheticTask
 from ..rng import seeded
 from .base import Task, register_task
@@ -97,6 +98,8 @@ class DataConfig:
     """``data:`` section of the classification task."""
     kind: Literal['synthetic', 'folder'] = option('synthetic', 'embedded scenes, or an ImageNet-layout folder')
     root: Optional[str] = option(None, 'folder with train/ and val/ class subfolders (kind: folder)')
+    prepare: Optional[Literal['digits']] = option(None, "write a bundled dataset to root on first use (kind: folder): "
+                                                      "digits = scikit-learn's 8x8 digits (pip install scikit-learn)")
     train_split: str = option('train', 'training subfolder of root')
     val_split: str = option('val', 'validation subfolder of root')
     img_size: int = option(224, 'training input size (also the model img_size)', min=8)
@@ -135,6 +138,8 @@ class ClassificationTask(Task):
         self._class_to_idx: Optional[dict] = None
         self.mixup: Optional[Mixup] = None
         self.criterion: Optional[nn.Module] = None
+        if cfg.data.prepare == 'digits':  # before anything lists the folder's classes
+            write_digits(cfg.data.root)
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -148,6 +153,8 @@ class ClassificationTask(Task):
                 vispe.pe_info(name)  # raises for an unknown encoding, naming the close ones
         except (TypeError, ValueError) as e:
             raise ConfigError(f'model.pe: {e}') from None
+        if d.prepare and d.kind != 'folder':
+            raise ConfigError(f'data.prepare: writes an image folder, so it needs data.kind: folder (got {d.kind})')
         if d.kind == 'folder' and not d.root:
             raise ConfigError('data.root: required when data.kind is folder (the folder with train/ and val/)')
         if (d.aug.mixup > 0 or d.aug.cutmix > 0) and d.aug.mixup_mode == 'batch' and cfg.train.batch_size % 2:
