@@ -249,7 +249,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if cam_specs:
         with torch.device(device):
             models['none (camera layer)'] = CameraHost('none', 768, 12, pos)
-    if args.compile:
+    if args.compile:  # every model is another compilation of the same forward: allow one each
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(models))
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 8 * len(models))
         models = {name: torch.compile(m) for name, m in models.items()}
     ratios = timed([s for s in models if s not in cam_specs and s != 'none (camera layer)'], camera=False)
     if cam_specs:

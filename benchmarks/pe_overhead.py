@@ -41,6 +41,10 @@ def bench(name: str, pes: List[str], batch: int, size: int, rounds: int, device:
     y = torch.randint(0, 1000, (batch,), device=device)
     models = {pe: _model(name, pe, device, dtype) for pe in ['none'] + [p for p in pes if p != 'none']}
     # compiled, each model is compiled once per mode in compare's warm-up rounds; memory stays eager
+    if compile:  # every model is another compilation of the same forward: allow one each
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(models))
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 8 * len(models))
     timed = {pe: torch.compile(m, fullgraph=True) for pe, m in models.items()} if compile else models
 
     t_eval = compare({pe: eval_step(m, x) for pe, m in timed.items()}, rounds=rounds, device=device, clock=clock)
