@@ -40,6 +40,16 @@ def time_fn(fn: Callable[[], object], warmup: int = 2, iters: int = 10, device: 
     return statistics.median(times)
 
 
+def compile_models(models: Dict[str, torch.nn.Module], **options) -> Dict[str, torch.nn.Module]:
+    """``torch.compile`` each model. Every model is another compilation of the same forward code,
+    so dynamo's recompile limits (8 by default, a hard failure under ``fullgraph=True``) are raised
+    to allow one per model and mode."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 4 * len(models))
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * len(models))
+    return {name: torch.compile(m, **options) for name, m in models.items()}
+
+
 def compare(fns: Dict[str, Callable[[], object]], rounds: int = 7, per_round: int = 2, warmup: int = 2,
             device: torch.device = torch.device('cpu'), clock: str = 'wall') -> Dict[str, float]:
     """Median seconds per call of each function, measured in interleaved rounds.

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vispe  # noqa: E402  (registers the ViTs in timm)
 from vispe.attention import PEAttention  # noqa: E402
 from vispe.encodings import _triton_rotary  # noqa: E402
-from _timing import compare, peak_memory  # noqa: E402
+from _timing import compare, compile_models, peak_memory  # noqa: E402
 
 VARIANTS = ['irpe:on=qkv', 'liere:gd=2', 'comrope_ap:block=8']
 
@@ -249,11 +249,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if cam_specs:
         with torch.device(device):
             models['none (camera layer)'] = CameraHost('none', 768, 12, pos)
-    if args.compile:  # every model is another compilation of the same forward: allow one each
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(models))
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 8 * len(models))
-        models = {name: torch.compile(m) for name, m in models.items()}
+    if args.compile:
+        models = compile_models(models)
     ratios = timed([s for s in models if s not in cam_specs and s != 'none (camera layer)'], camera=False)
     if cam_specs:
         ratios.update(timed(cam_specs, camera=True))

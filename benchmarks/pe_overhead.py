@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
 import vispe  # noqa: E402
-from _timing import compare, eval_step, peak_memory, train_step  # noqa: E402
+from _timing import compare, compile_models, eval_step, peak_memory, train_step  # noqa: E402
 
 
 
@@ -41,11 +41,7 @@ def bench(name: str, pes: List[str], batch: int, size: int, rounds: int, device:
     y = torch.randint(0, 1000, (batch,), device=device)
     models = {pe: _model(name, pe, device, dtype) for pe in ['none'] + [p for p in pes if p != 'none']}
     # compiled, each model is compiled once per mode in compare's warm-up rounds; memory stays eager
-    if compile:  # every model is another compilation of the same forward: allow one each
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(models))
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 8 * len(models))
-    timed = {pe: torch.compile(m, fullgraph=True) for pe, m in models.items()} if compile else models
+    timed = compile_models(models, fullgraph=True) if compile else models
 
     t_eval = compare({pe: eval_step(m, x) for pe, m in timed.items()}, rounds=rounds, device=device, clock=clock)
     t_train = compare({pe: train_step(m, x, y) for pe, m in timed.items()}, rounds=rounds, device=device, clock=clock)
