@@ -11,7 +11,7 @@ after ``q.k * scale``).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Tuple, \
     TypeVar, Union
 
@@ -21,10 +21,63 @@ from torch import nn
 from .._tracing import is_tracing
 from ..positions import Positions
 
-__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'HOOKS', 'resolve_num_axes', 'autocast_off',
-           'build_with_factory_kwargs']
+__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'Capabilities', 'HOOKS', 'ATTENTION_HOOKS',
+           'resolve_num_axes', 'autocast_off', 'build_with_factory_kwargs']
 
 HOOKS = ('embed', 'between_blocks', 'qk', 'bias', 'value', 'output', 'weights_value')
+ATTENTION_HOOKS = frozenset({'qk', 'bias', 'value', 'output', 'weights_value'})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an encoding does, declared once per instance. Hosts and the attention dispatch ask these
+    names instead of inspecting hooks or classes.
+
+    Attributes:
+        hooks: the hooks the encoding runs (its overridden hooks minus those its options switch off).
+        additive: adds an embedding to the tokens (``embed`` / ``embedding``).
+        between_blocks: acts on the tokens after each block.
+        in_attention: acts inside attention (any of q/k maps, bias, value, output, weights terms).
+        needs_query_positions: relates query to key positions, so queries need positions of their
+            own (a cross-attention host must supply ``pos_q``).
+        needs_tokens: ``qk`` reads the attention's normed input tokens ``x``.
+        needs_weights: adds a term computed from the attention weights (explicit softmax path only).
+        changes_head_dim: ``qk`` returns wider q/k (and ``value`` pads v to the same width).
+        requires: `Positions` fields beyond coordinates that it reads (e.g. ``'cameras'``).
+        flash_eligible: attention can stay on SDPA without a mask (flash / memory-efficient kernels):
+            never with a bias or a weights term; an encoding may say False for other reasons (a head
+            width the kernels do not take).
+    """
+    hooks: FrozenSet[str]
+    needs_tokens: bool = False
+    changes_head_dim: bool = False
+    requires: FrozenSet[str] = frozenset()
+    flash_eligible: bool = True
+    additive: bool = field(init=False)
+    between_blocks: bool = field(init=False)
+    in_attention: bool = field(init=False)
+    needs_query_positions: bool = field(init=False)
+    needs_weights: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        hooks = frozenset(self.hooks)
+        unknown = hooks - set(HOOKS)
+        if unknown:
+            raise ValueError(f'unknown hooks {sorted(unknown)}; hooks are {HOOKS}')
+        derived = dict(
+            hooks=hooks, additive='embed' in hooks, between_blocks='between_blocks' in hooks,
+            in_attention=bool(hooks & ATTENTION_HOOKS), needs_query_positions=bool(hooks & ATTENTION_HOOKS),
+            needs_weights='weights_value' in hooks,
+            flash_eligible=bool(self.flash_eligible) and not hooks & {'bias', 'weights_value'},
+            requires=frozenset(self.requires))
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    def __or__(self, other: 'Capabilities') -> 'Capabilities':
+        """The capabilities of two encodings acting together."""
+        return Capabilities(self.hooks | other.hooks, self.needs_tokens or other.needs_tokens,
+                            self.changes_head_dim or other.changes_head_dim, self.requires | other.requires,
+                            self.flash_eligible and other.flash_eligible)
 
 
 @dataclass(frozen=True)
@@ -113,18 +166,47 @@ class PositionalEncoding(nn.Module):
 
     # ----------------------------------------------------------------- description
     @property
+    def capabilities(self) -> Capabilities:
+        """What this encoding does (`Capabilities`): declared once, on first read (hosts read it when
+        they are built), and fixed from then on, as the options it depends on are."""
+        caps = self.__dict__.get('_capabilities')
+        if caps is None:
+            caps = self._declare_capabilities()
+            self.__dict__['_capabilities'] = caps
+        return caps
+
+    def _declare_capabilities(self) -> Capabilities:
+        """The hooks this class overrides and its class-level declarations. An encoding whose options
+        switch a part off (or rule out the flash kernels) overrides this, e.g. with
+        ``dataclasses.replace(super()._declare_capabilities(), hooks=...)``."""
+        implemented = frozenset(h for h in HOOKS if getattr(type(self), h) is not getattr(PositionalEncoding, h))
+        return Capabilities(implemented, needs_tokens=self.needs_tokens, changes_head_dim=self.changes_head_dim,
+                            requires=self.requires)
+
+    @property
     def hooks(self) -> FrozenSet[str]:
-        """Names of the hooks this encoding implements."""
-        return frozenset(h for h in HOOKS if getattr(type(self), h) is not getattr(PositionalEncoding, h))
+        """Names of the hooks this encoding runs (``capabilities.hooks``)."""
+        return self.capabilities.hooks
 
     @property
     def flash_eligible(self) -> bool:
-        """True when attention can stay on SDPA without a mask (flash / memory-efficient kernels)."""
-        return not (self.hooks & {'bias', 'weights_value'})
+        """True when attention can stay on SDPA without a mask (``capabilities.flash_eligible``)."""
+        return self.capabilities.flash_eligible
 
     def no_weight_decay(self) -> set:
         """Names (relative to this module) of parameters that must not be weight-decayed."""
         return set()
+
+    def adopt_pos_embed(self, table: torch.Tensor, num_prefix: int, grid: Tuple[int, ...]
+                        ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+        """Take over a checkpoint's absolute position table (timm's ``pos_embed``).
+
+        ``table`` is ``(1, num_prefix + prod(grid), C)``: ``num_prefix`` rows for prefix tokens first,
+        then the rows of ``grid`` in row-major order. Returns the state-dict entries (names relative to
+        this encoding) the table fills, adapted to this encoding's grid, and the names among them
+        that were resampled. The default takes nothing: the host reports the table as dropped.
+        """
+        return {}, []
 
     # ----------------------------------------------------------------- state
     def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> Any:
@@ -281,9 +363,11 @@ class ComposedPE(PositionalEncoding):
         # list keeps the spec's order, which names the parameters
         self._order = sorted(range(len(encodings)), key=lambda i: encodings[i].changes_head_dim)
 
-    @property
-    def hooks(self) -> FrozenSet[str]:
-        return frozenset().union(*(e.hooks for e in self.encodings))
+    def _declare_capabilities(self) -> Capabilities:
+        caps = Capabilities(frozenset())
+        for e in self.encodings:
+            caps = caps | e.capabilities
+        return caps
 
     def reset_parameters(self) -> None:
         for e in self.encodings:
@@ -293,16 +377,17 @@ class ComposedPE(PositionalEncoding):
         for e in self.encodings:
             e.init_non_persistent_buffers()
 
-    @property
-    def flash_eligible(self) -> bool:
-        return all(e.flash_eligible for e in self.encodings)
-
-    @property
-    def needs_tokens(self) -> bool:  # type: ignore[override]
-        return any(e.needs_tokens for e in self.encodings)
-
     def no_weight_decay(self) -> set:
         return {f'encodings.{i}.{n}' for i, e in enumerate(self.encodings) for n in e.no_weight_decay()}
+
+    def adopt_pos_embed(self, table, num_prefix, grid):
+        entries: Dict[str, torch.Tensor] = {}
+        resampled: List[str] = []
+        for i, e in enumerate(self.encodings):
+            own, res = e.adopt_pos_embed(table, num_prefix, grid)
+            entries.update({f'encodings.{i}.{k}': v for k, v in own.items()})
+            resampled += [f'encodings.{i}.{k}' for k in res]
+        return entries, resampled
 
     def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> List[Any]:
         return [e.prepare(pos_q, pos_k) for e in self.encodings]
