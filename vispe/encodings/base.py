@@ -93,6 +93,10 @@ class PEContext:
         num_prefix_tokens: class / register tokens before the grid tokens.
         embed_prefix: whether absolute tables have entries for prefix tokens (timm's
             ``not no_embed_class``).
+        num_axes: coordinate axes of the positions the host supplies, when it has no grid (3 for
+            NeRF's points); default: the grid's axes, else 2.
+        coordinate_map: the host uses the encoding as a map ``encode(coords) -> features`` and has no
+            tokens to add them to, so nothing is projected to the token width ``dim``.
     """
     dim: int
     num_heads: int = 1
@@ -101,6 +105,8 @@ class PEContext:
     grid_size: Optional[Tuple[int, ...]] = None
     num_prefix_tokens: int = 0
     embed_prefix: bool = True
+    num_axes: Optional[int] = None
+    coordinate_map: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -109,14 +115,18 @@ class PEContext:
             object.__setattr__(self, 'head_dim', self.dim // self.num_heads)
         if self.grid_size is not None:
             object.__setattr__(self, 'grid_size', tuple(int(g) for g in self.grid_size))
+        if self.num_axes is not None and self.num_axes < 1:
+            raise ValueError(f'num_axes must be >= 1, got {self.num_axes}')
 
 
 def resolve_num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
-    """Coordinate axes D: the option, else the host grid's, else 2."""
+    """Coordinate axes D: the option, else the host's (``ctx.num_axes``), else its grid's, else 2."""
     if num_axes is not None:
         if num_axes < 1:
             raise ValueError(f'option num_axes of encoding {name!r} must be >= 1, got {num_axes}')
         return num_axes
+    if ctx.num_axes is not None:
+        return ctx.num_axes
     return len(ctx.grid_size) if ctx.grid_size else 2
 
 
