@@ -6,7 +6,7 @@ Needs a GPU. For each encoding (every registered one plus a few option variants)
   autocast, eval), next to what the encoding claims (`PositionalEncoding.flash_eligible`); a
   claim of "yes" that fails is a bug, a "no" that runs is a missed speed-up;
 * ``bf16``: a train step under bf16 autocast gives a finite loss and finite gradients;
-* ``fused``: launches of the fused Triton rotation kernels (`vispe.encodings._triton_rotary`) in
+* ``fused``: launches of the fused Triton rotation kernels (`vispe.rotary.fused`) in
   that train step, forward and backward (0: the reference rotations ran);
 * ``cpu diff``: largest difference between the float32 outputs of the same tiny model on CUDA and
   on the CPU (TF32 off), relative to the output's scale;
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vispe  # noqa: E402  (registers the ViTs in timm)
 from vispe.attention import PEAttention  # noqa: E402
-from vispe.encodings import _triton_rotary  # noqa: E402
+from vispe.rotary import fused as fused_kernels  # noqa: E402
 from _timing import compare, compile_models, peak_memory  # noqa: E402
 
 VARIANTS = ['irpe:on=qkv', 'liere:gd=2', 'comrope_ap:block=8']
@@ -69,17 +69,17 @@ class FusedCounter:
 
     def __init__(self) -> None:
         self.launches = 0
-        self._orig = _triton_rotary._launch
+        self._orig = fused_kernels._launch
 
     def __enter__(self) -> 'FusedCounter':
         def counted(*args, **kwargs):
             self.launches += 1
             return self._orig(*args, **kwargs)
-        _triton_rotary._launch = counted
+        fused_kernels._launch = counted
         return self
 
     def __exit__(self, *exc) -> None:
-        _triton_rotary._launch = self._orig
+        fused_kernels._launch = self._orig
 
 
 def cameras(views: int, image: int, device: torch.device) -> vispe.Cameras:
@@ -222,7 +222,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             x, target = (x_mv, None) if camera else (x_img, y)
             depth = model.depth if camera else len(model.blocks)
             pe = model.pe
-            row['claim'] = 'yes' if pe is None or pe.flash_eligible else 'no'
+            row['claim'] = 'yes' if pe is None or pe.capabilities.flash_eligible else 'no'
             row['flash'] = flash_runs(model, x, depth)
             with FusedCounter() as fused:
                 row['bf16'] = bf16_finite(model, x, target)

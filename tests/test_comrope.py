@@ -4,7 +4,7 @@ import timm
 import torch
 
 import vispe
-from vispe.encodings._lie import linear_exp
+from vispe.rotary.expm import linear_exp
 from conftest import TINY, assert_tiny_vit_trains_and_runs_larger, random_qk, rotated_logits
 
 VARIANTS = ['comrope_ap', 'comrope_ld']

@@ -6,10 +6,9 @@ import timm
 import torch
 
 import vispe
-from vispe.encodings._lie import expm_skew, linear_exp
-from vispe.encodings.rotary import (
-    apply_block_rotation, apply_pair_rotation, fourier_rotation, orthogonal_map, rotate_qk,
-)
+from vispe.rotary import apply_pair_rotation, apply_rotation, rotate_qk
+from vispe.rotary.expm import expm_skew, linear_exp
+from vispe.rotary.kernels import apply_block_rotation, fourier_rotation
 from conftest import TINY, assert_tiny_vit_trains_and_runs_larger, random_qk, rotated_logits
 
 
@@ -69,14 +68,14 @@ KINDS = ['pair', 'table', 'yarn_table', 'block', 'fourier', 'mixed_pair', 'mixed
 
 
 @pytest.mark.parametrize('kind', KINDS)
-def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
+def test_apply_rotation_matches_autograd_and_keeps_only_its_output(kind):
     """The training path recovers x = R^-1 (R x) in backward instead of saving x: same gradients."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
     kind, params, direct = _rotation_case(kind)
     params = tuple(p.requires_grad_() for p in params)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        out = orthogonal_map(x, kind, *params, block=4)
+        out = apply_rotation(x, kind, *params, block=4)
     assert sum(saved) <= out.numel() + sum(p.numel() for p in params)
     weight = torch.randn_like(out)
     got = torch.autograd.grad((out * weight).sum(), (x, *params))
@@ -87,13 +86,13 @@ def test_orthogonal_map_matches_autograd_and_keeps_only_its_output(kind):
 
 
 @pytest.mark.parametrize('kind', KINDS)
-def test_orthogonal_map_backward_takes_an_expanded_gradient(kind):
+def test_apply_rotation_backward_takes_an_expanded_gradient(kind):
     """``out.sum()`` hands backward a stride-0 gradient (no complex view of it exists): the same
     gradients as the formula's."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
     kind, params, direct = _rotation_case(kind)
     params = tuple(p.requires_grad_() for p in params)
-    got = torch.autograd.grad(orthogonal_map(x, kind, *params, block=4).sum(), (x, *params))
+    got = torch.autograd.grad(apply_rotation(x, kind, *params, block=4).sum(), (x, *params))
     expected = torch.autograd.grad(direct(x, *params).sum(), (x, *params))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)

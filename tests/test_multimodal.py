@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vispe import multimodal as mm
-from vispe.encodings.rotary import apply_pair_rotation
+from vispe.rotary import apply_pair_rotation
 
 IMG, VID, VS = mm.QWEN2_VL_TOKEN_IDS['image_token_id'], mm.QWEN2_VL_TOKEN_IDS['video_token_id'], \
     mm.QWEN2_VL_TOKEN_IDS['vision_start_token_id']

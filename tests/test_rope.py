@@ -6,7 +6,7 @@ import timm
 import torch
 
 import vispe
-from vispe.encodings.rotary import apply_pair_rotation, axial_frequencies, rotation_table, scale_frequencies
+from vispe.rotary import apply_pair_rotation, axial_frequencies, rotation_table, scale_frequencies
 from conftest import TINY, random_qk
 
 
@@ -137,7 +137,7 @@ def test_linear_scaling_equals_normalized_grid():
     a = vispe.create_pe('rope_axial:scaling=linear', dim=32, num_heads=1, grid_size=(4, 4))
     b = vispe.create_pe('rope_axial:grid_mode=normalized', dim=32, num_heads=1, grid_size=(4, 4))
     pos = vispe.grid(8, 6, train_grid=(4, 4))
-    torch.testing.assert_close(a.prepare(pos)[0], b.prepare(pos)[0])
+    torch.testing.assert_close(a.prepare(pos).q, b.prepare(pos).q)
 
 
 def test_half_layout_matches_rotate_half_formula():
@@ -215,9 +215,9 @@ def test_eval_state_holds_complex_tables_and_rotates_like_training(spec):
 def test_self_attention_rotates_q_and_k_in_one_call(spec, monkeypatch):
     """One table for q and k: one stacked rotation per layer (one fused launch on a GPU), not two."""
     import timm
-    from vispe.encodings import rotary
-    sizes, rotate = [], rotary._rotate
-    monkeypatch.setattr(rotary, '_rotate', lambda inputs, *a: sizes.append(len(inputs)) or rotate(inputs, *a))
+    from vispe.rotary import autograd
+    sizes, rotate = [], autograd._rotate
+    monkeypatch.setattr(autograd, '_rotate', lambda inputs, *a: sizes.append(len(inputs)) or rotate(inputs, *a))
     model = timm.create_model('vit_tiny', pe=spec, embed_dim=32, depth=2, num_heads=2, img_size=32, patch_size=8)
     model(torch.randn(1, 3, 32, 32)).sum().backward()
     assert sizes == [2, 2]

@@ -8,7 +8,8 @@ import vispe
 from vispe_models.detection_data import SyntheticShapes, collate_detection
 from vispe_models.detr import DETR, SetCriterion
 from vispe_models.vlm import Resampler
-from vispe.encodings.rotary import apply_block_rotation, apply_pair_rotation, orthogonal_map, rotate_qk
+from vispe.rotary import apply_pair_rotation, apply_rotation, rotate_qk
+from vispe.rotary.kernels import apply_block_rotation
 
 # DETR's own attention dropout (0.1) kept: SDPA's dropout backward hands over a gradient whose channels
 # are not at stride 1, the layout that once broke the rotary backward
@@ -33,7 +34,7 @@ def test_pair_rotation_backward_equals_autograd_of_the_reference_in_every_layout
     x = _layouts()[layout].requires_grad_()
     angle = torch.randn(6, 4, requires_grad=True)
     grad_out = torch.randn(2, 2, 6, 8).transpose(-1, -2).contiguous().transpose(-1, -2)  # a strided gradient too
-    out = orthogonal_map(x, 'pair', angle)
+    out = apply_rotation(x, 'pair', angle)
     gx, ga = torch.autograd.grad(out, (x, angle), grad_out)
     ref = apply_pair_rotation(x, torch.polar(torch.ones_like(angle), angle))
     rx, ra = torch.autograd.grad(ref, (x, angle), grad_out)

@@ -1,10 +1,10 @@
-"""The fused Triton rotations (`vispe.encodings._triton_rotary`) equal the reference kernels of
-`vispe.encodings.rotary`: outputs, input gradients and rotation (parameter) gradients, for q and k read
+"""The fused Triton rotations (`vispe.rotary.fused`) equal the reference kernels of
+`vispe.rotary`: outputs, input gradients and rotation (parameter) gradients, for q and k read
 as views of a fused qkv projection. With a GPU the compiled kernels run on it; without one, Triton's
 interpreter runs them on CPU tensors.
 
 Triton chooses the interpreter when it is imported (its own library functions are jitted then, and
-vispe imports it with `rotary`), so on the CPU each check runs in one child process started with
+vispe imports it with `vispe.rotary`), so on the CPU each check runs in one child process started with
 ``TRITON_INTERPRET=1`` and shared by the module (a spawned `multiprocessing` pool; an assertion there
 fails the test here, with the child's traceback). Each ``test_*`` below hands its check, the function
 after it, to ``run``. Every comparison also counts the kernel launches, so a check cannot pass on the
@@ -21,8 +21,8 @@ import torch
 triton = pytest.importorskip('triton')
 
 import vispe  # noqa: E402
-from vispe.encodings import _triton_rotary, rotary  # noqa: E402
-from vispe.encodings.rotary import orthogonal_map, pad_prefix, rotate_qk, rotation_table  # noqa: E402
+from vispe.rotary import apply_rotation, autograd, fused as triton_kernels, rotate_qk, rotation_table  # noqa: E402
+from vispe.rotary.kernels import pad_identity  # noqa: E402
 
 
 DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -44,22 +44,22 @@ def run():
 @contextlib.contextmanager
 def fused(mode):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rotary, 'FUSED', mode)
+        mp.setattr(autograd, 'FUSED', mode)
         yield
 
 
 @contextlib.contextmanager
 def counted_launches():
     """The kinds of the kernel launches made inside the block (forward and backward alike)."""
-    assert DEVICE.type == 'cuda' or type(_triton_rotary._rotation_kernel).__name__ == 'InterpretedFunction'
+    assert DEVICE.type == 'cuda' or type(triton_kernels._rotation_kernel).__name__ == 'InterpretedFunction'
     calls = []
-    launch = _triton_rotary._launch
+    launch = triton_kernels._launch
 
     def counted(*args, **kwargs):
         calls.append(args[0])
         return launch(*args, **kwargs)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_triton_rotary, '_launch', counted)
+        mp.setattr(triton_kernels, '_launch', counted)
         yield calls
 
 
@@ -91,7 +91,7 @@ def compare(run, leaves, expected=2, tol=1e-5):
 def grid_table(N, P, lead=(), magnitude=1.0, num_prefix=1):
     """A complex table ``(*lead, num_prefix + N, P)`` with identity rows for the prefix tokens, as
     `rope.PairRotaryPE.table` builds it (``magnitude`` != 1: YaRN)."""
-    return pad_prefix(rotation_table(torch.randn(*lead, N, P, device=DEVICE) * 3, magnitude), num_prefix)
+    return pad_identity(rotation_table(torch.randn(*lead, N, P, device=DEVICE) * 3, magnitude), num_prefix, 'table')
 
 
 def orthogonal_blocks(*lead, b):
@@ -240,7 +240,7 @@ def test_single_tensor_with_strided_channels_matches_reference(run):
 def single_tensor_with_strided_channels():
     x = torch.randn(16, 7, device=DEVICE).mT.requires_grad_()  # (N, hd), channels at stride 7
     rot = orthogonal_blocks(7, 2, b=8).requires_grad_()
-    compare(lambda: (orthogonal_map(x, 'block', rot),), [x, rot])
+    compare(lambda: (apply_rotation(x, 'block', rot),), [x, rot])
 
 
 @pytest.mark.parametrize('case', ['float64', 'block_3', 'fourier'])
@@ -254,16 +254,16 @@ def unsupported_rotation(case):
                  'block_3': ('block', orthogonal_blocks(6, 4, b=3)),
                  'fourier': ('fourier', rotation_table(torch.randn(6, 8, device=DEVICE)))}[case]
     with fused('on'), counted_launches() as launches:
-        out = orthogonal_map(x, kind, rot, block=6)
+        out = apply_rotation(x, kind, rot, block=6)
     assert not launches
-    torch.testing.assert_close(out, orthogonal_map(x, kind, rot, block=6))
+    torch.testing.assert_close(out, apply_rotation(x, kind, rot, block=6))
 
 
 def test_auto_keeps_cpu_tensors_on_the_reference():
     q, k = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
     calls = []
     with fused('auto'), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_triton_rotary, '_launch', lambda *args, **kwargs: calls.append(args))
+        mp.setattr(triton_kernels, '_launch', lambda *args, **kwargs: calls.append(args))
         rotate_qk(q, k, torch.randn(7, 8), torch.randn(7, 8), 'pair')
     assert not calls
 
@@ -285,7 +285,7 @@ def test_kernel_compiles_for_a_hopper_gpu_without_one(kind, blk):
     the forward and the backward with parameter gradients, compiled for sm_90 (H100 / H200)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    kernel = _triton_rotary._rotation_kernel
+    kernel = triton_kernels._rotation_kernel
     constexprs = ('KIND', 'BLK', 'S', 'TRANSPOSE', 'WRITE_OUT', 'PARAM_GRAD', 'BLOCK_N', 'BLOCK_C')
     signature = {name: '*bf16' if name in ('X0', 'X1', 'Y0', 'Y1', 'OUT') else '*fp32' if name in ('ROT', 'PARTIAL')
                  else 'constexpr' if name in constexprs else 'i32' for name in kernel.arg_names}
@@ -299,7 +299,7 @@ def test_kernel_compiles_for_a_hopper_gpu_without_one(kind, blk):
 def test_kernel_module_imports_without_triton(monkeypatch):
     for name in ('triton', 'triton.language'):
         monkeypatch.setitem(sys.modules, name, None)  # `import triton` raises ImportError
-    spec = importlib.util.spec_from_file_location('_triton_rotary_without_triton', _triton_rotary.__file__)
+    spec = importlib.util.spec_from_file_location('_triton_rotary_without_triton', triton_kernels.__file__)
     module = importlib.util.module_from_spec(spec)  # a separate module object: vispe's own is untouched
     spec.loader.exec_module(module)
     assert not module.AVAILABLE
@@ -308,4 +308,4 @@ def test_kernel_module_imports_without_triton(monkeypatch):
 
 def test_unknown_fused_setting_is_an_error():
     with fused('yes'), pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
-        orthogonal_map(torch.randn(4, 8), 'pair', torch.randn(4, 4))
+        apply_rotation(torch.randn(4, 8), 'pair', torch.randn(4, 4))

@@ -8,8 +8,9 @@ every axis scales one base matrix per block). Reference code: ``model.py`` of Lo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import FrozenSet, List, Literal, Optional, Sequence, Tuple
+from typing import List, Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +19,12 @@ from torch.utils.checkpoint import checkpoint
 
 from ..positions import Positions
 from ..registry import register_pe
-from ._lie import (
-    Rotations, RotationPE, expm_skew, heads_and_layers, layerwise_exp, pad_identity, require_divisible,
-    skew, token_grid,
-)
+from ..rotary import RotationPE
+from ..rotary.base import heads_and_layers, require_divisible, token_grid
+from ..rotary.expm import Rotations, expm_skew, layerwise_exp, skew
+from ..rotary.kernels import pad_identity
 from ._checks import check_nonnegative
-from .base import PEContext, PositionalEncoding, resolve_num_axes
+from .base import Capabilities, PEContext, resolve_num_axes
 
 __all__ = ['ComRoPEAP', 'ComRoPELD']
 
@@ -75,10 +76,9 @@ class _ComRoPE(RotationPE):
         # jittered positions drawn by `embed`, for the rotations of the same forward
         self._jittered: Optional[Tuple[Positions, torch.Tensor, int]] = None
 
-    @property
-    def hooks(self) -> FrozenSet[str]:
-        hooks = PositionalEncoding.hooks.fget(self)  # torch.compile reads `super().hooks` as the property
-        return hooks if self.pos_embed is not None else hooks - {'embed'}
+    def _declare_capabilities(self) -> Capabilities:
+        caps = super()._declare_capabilities()
+        return caps if self.pos_embed is not None else dataclasses.replace(caps, hooks=caps.hooks - {'embed'})
 
     def no_weight_decay(self) -> set:
         return {name for name, _ in self.named_parameters()}

@@ -9,11 +9,14 @@ on the relative element ``g_i^-1 g_j``. For orthogonal ``rho`` (rotations) ``rho
 ``rho^-1 = rho^T``: q, k and v get the same rotation and the output the inverse one. Without the
 value/output maps (``value_transform=False``) this is RoPE.
 
-The rotations go through the shared kernels of `vispe.encodings.rotary`: SO(2) pairs with
-`apply_pair_rotation` (the output with the conjugate table), SE(3) blocks with `apply_block_rotation`.
+The maps go through the shared dispatch of `vispe.rotary` (`rotate_qk`, `apply_rotation`), whose
+backward keeps only the mapped output: SO(2) pairs as complex tables (the output with the conjugate
+table), SE(3) blocks as ``4 x 4`` matrices (kind ``matrix``: the scaled translation makes them
+non-orthogonal, so their gradient goes through the inverse).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Tuple
 
@@ -23,11 +26,14 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..positions.multiview import view_grid
 from ..registry import register_pe
+from ..rotary import RotationPE, RotationState, apply_rotation, axial_frequencies, rotation_table
+from ..rotary.autograd import rotate_channels
+from ..rotary.base import check_head_dim
+from ..rotary.kernels import block_matrices, pad_identity
 from ._checks import check_nonnegative, check_positive
-from .base import PEContext, PositionalEncoding
-from .rotary import apply_block_rotation, apply_pair_rotation, check_head_dim, pad_prefix, rotation_table
+from .base import Capabilities, PEContext
 
-__all__ = ['Gta', 'GtaMultiview', 'interleaved_axis_angles', 'block_matrices', 'pad_prefix_matrices']
+__all__ = ['Gta', 'GtaMultiview', 'interleaved_axis_angles']
 
 
 def interleaved_axis_angles(coords: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -39,32 +45,18 @@ def interleaved_axis_angles(coords: torch.Tensor, freqs: torch.Tensor) -> torch.
     return (coords.unsqueeze(-2) * freqs.to(coords.dtype)[:, None]).flatten(-2)
 
 
-def pad_prefix_matrices(mats: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    """Prepend identity ``(4, 4)`` matrices for prefix tokens along the token axis of ``(..., N, 4, 4)``."""
-    if num_prefix == 0:
-        return mats
-    eye = torch.eye(mats.shape[-1], dtype=mats.dtype, device=mats.device)
-    eye = eye.expand(*mats.shape[:-3], num_prefix, *mats.shape[-2:])
-    return torch.cat([eye, mats], dim=-3)
-
-
-def block_matrices(mats: torch.Tensor, channels: int, batched: bool) -> torch.Tensor:
-    """Per-token ``(..., N, 4, 4)`` -> the ``(..., [B, 1,] N, channels / 4, 4, 4)`` view `apply_block_rotation` takes.
-
-    The same matrix acts on every block of 4 channels of a token (a view, no copy); batched
-    matrices get a head axis to broadcast over.
-    """
-    mats = mats.unsqueeze(-3).expand(*mats.shape[:-2], channels // 4, 4, 4)
-    return mats.unsqueeze(-5) if batched else mats
-
-
 def _as_table(rot: torch.Tensor, batched: bool) -> torch.Tensor:
     """(..., B, N, P) -> (..., B, 1, N, P): broadcast a per-sample table over heads."""
     return rot.unsqueeze(-3) if batched else rot
 
 
+def _value_hooks(caps: Capabilities, value_transform: bool) -> Capabilities:
+    """Without the value transform, v and the output are left alone: no value / output hooks."""
+    return caps if value_transform else dataclasses.replace(caps, hooks=caps.hooks - {'value', 'output'})
+
+
 @register_pe('gta', family='gta')
-class Gta(PositionalEncoding):
+class Gta(RotationPE):
     """GTA on the image grid (Miyato et al., ICLR 2024, "GTA: A Geometry-Aware Attention Mechanism
     for Multi-View Transformers"; the 2D form of its DiT / image-ViT code).
 
@@ -86,6 +78,7 @@ class Gta(PositionalEncoding):
     shift_invariant = True
     larger_input = 'extrapolate'
     paper = 'Miyato et al., ICLR 2024 (GTA), arXiv:2310.10375'
+    rotation_kind = 'table'
 
     def __init__(
             self,
@@ -101,13 +94,16 @@ class Gta(PositionalEncoding):
         self.grid_mode = grid_mode
         self.value_transform = value_transform
 
+    def _declare_capabilities(self) -> Capabilities:
+        return _value_hooks(super()._declare_capabilities(), self.value_transform)
+
     def frequencies(self, num_axes: int) -> torch.Tensor:
         """``(F,)`` frequencies ``theta^(-f / F)``, ``F = (hd / 2) // num_axes`` (float64)."""
         nf = self.ctx.head_dim // 2 // num_axes
         if nf == 0:
             raise ValueError(f"encoding 'gta' needs head_dim >= {2 * num_axes} for {num_axes} axes, "
                              f"got head_dim={self.ctx.head_dim}")
-        return self.theta ** (-torch.arange(nf, dtype=torch.float64) / nf)
+        return axial_frequencies(nf, self.theta, step=1.0, dim=nf, dtype=torch.float64)
 
     def table(self, pos: Positions) -> torch.Tensor:
         """Complex table ``([B, 1,] N_total, hd / 2)``: one rotation per pair, identity for prefix tokens."""
@@ -118,27 +114,28 @@ class Gta(PositionalEncoding):
         missing = self.ctx.head_dim // 2 - rot.shape[-1]
         if missing:  # pairs left over when hd / 2 is not a multiple of D: not rotated
             rot = torch.cat([rot, torch.ones(*rot.shape[:-1], missing, dtype=rot.dtype, device=rot.device)], -1)
-        return _as_table(pad_prefix(rot, pos.num_prefix, dim=-2), pos.batched)
+        return _as_table(pad_identity(rot, pos.num_prefix, 'table'), pos.batched)
 
-    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Tuple[torch.Tensor, ...]:
-        rot_q = self.table(pos_q)
-        rot_k = rot_q if pos_k is None else self.table(pos_k)
+    def rotation(self, pos: Positions, batch: Optional[int] = None) -> torch.Tensor:
+        return self.table(pos).unsqueeze(0)  # one table for every layer
+
+    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Tuple[RotationState, torch.Tensor]:
+        state = super()._prepare(pos_q, pos_k)
         # rho^T = rho^-1 = conjugate table; resolved once here rather than in every layer
-        return rot_q, rot_k, rot_q.conj().resolve_conj()
+        return state, state.q[0].conj().resolve_conj()
 
     def qk(self, q, k, state, layer, x=None):
-        rot_q, rot_k, _ = state
-        return apply_pair_rotation(q, rot_q), apply_pair_rotation(k, rot_k)
+        return super().qk(q, k, state[0], layer)
 
     def value(self, v, state, layer):
-        return apply_pair_rotation(v, state[1]) if self.value_transform else v
+        return apply_rotation(v, 'table', state[0].k[0])
 
     def output(self, o, state, layer):
-        return apply_pair_rotation(o, state[2]) if self.value_transform else o
+        return apply_rotation(o, 'table', state[1])
 
 
 @register_pe('gta_multiview', family='gta')
-class GtaMultiview(PositionalEncoding):
+class GtaMultiview(RotationPE):
     """Multi-view GTA (Miyato et al., ICLR 2024): camera pose SE(3) and image-position SO(2) channels.
 
     The head dim is split, in this order (the official ``f_dims`` order ``triv, se3, so2``), into
@@ -205,29 +202,35 @@ class GtaMultiview(PositionalEncoding):
         n = self.so2_dims // 4
         return 2.0 ** (torch.arange(1, n + 1, dtype=torch.float64) - n)
 
+    def _declare_capabilities(self) -> Capabilities:
+        return _value_hooks(super()._declare_capabilities(), self.value_transform)
+
     def _side(self, pos: Positions) -> Tuple[Optional[Tuple[torch.Tensor, torch.Tensor]], Optional[torch.Tensor]]:
-        """((world_to_cam, cam_to_world) ``([B,] N_total, 4, 4)``, SO(2) table) of one side of the attention."""
+        """((world_to_cam, cam_to_world) ``([B,] N, 4, 4)`` of the non-prefix tokens, SO(2) table
+        ``([B, 1,] N_total, so2_dims / 2)``) of one side of the attention."""
         h, w = view_grid(pos, self.name)
         poses = None
         if self.se3_dims:
-            poses = tuple(pad_prefix_matrices(pos.cameras.view_matrices(pos.view_index, which), pos.num_prefix)
+            poses = tuple(pos.cameras.view_matrices(pos.view_index, which)
                           for which in ('world_to_cam', 'cam_to_world'))
         rot = None
         if self.so2_dims:
             coords = pos.coords.to(torch.promote_types(pos.coords.dtype, torch.float32))
             coords = coords / torch.tensor([h, w], dtype=coords.dtype, device=coords.device)
             freqs = 2 * math.pi * self.max_freq * self.frequencies().to(coords.device)
-            rot = _as_table(pad_prefix(rotation_table(interleaved_axis_angles(coords, freqs)), pos.num_prefix, dim=-2),
-                            pos.batched)
+            rot = rotation_table(interleaved_axis_angles(coords, freqs))
+            rot = _as_table(pad_identity(rot, pos.num_prefix, 'table'), pos.batched)
         return poses, rot
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]):
         poses_q, rot_q = self._side(pos_q)
         poses_k, rot_k = (poses_q, rot_q) if pos_k is None else self._side(pos_k)
+        pad_q, pad_k = pos_q.num_prefix, (pos_q if pos_k is None else pos_k).num_prefix
         se3 = None
         if self.se3_dims:
             # rho = S(cam_to_world), S scaling the translation by the layer's factor c. S is a group
-            # homomorphism, so rho^-1 = S(world_to_cam): q <- S(w2c_i)^T q, k, v <- S(c2w_j) k, o <- S(w2c_i) o
+            # homomorphism, so rho^-1 = S(world_to_cam): q <- S(w2c_i)^T q, k, v <- S(c2w_j) k, o <- S(w2c_i) o.
+            # Prefix tokens get the identity, which S and the transpose leave as it is.
             c = self.translation_scale.to(poses_q[0].dtype)
             column = torch.cat([c[:, None].expand(-1, 3), torch.ones_like(c)[:, None]], 1)  # (L, 4)
             mask = torch.cat([torch.ones(c.shape[0], 4, 3, dtype=c.dtype, device=c.device), column[..., None]], -1)
@@ -235,11 +238,12 @@ class GtaMultiview(PositionalEncoding):
             def scaled(m: torch.Tensor) -> torch.Tensor:  # (..., N, 4, 4) -> (L, ..., N, 4, 4)
                 return m * mask.reshape(mask.shape[0], *([1] * (m.dim() - 2)), 4, 4)
 
+            def layers(m: torch.Tensor, batched: bool, pad: int) -> Tuple[torch.Tensor, ...]:
+                return block_matrices(m, self.se3_dims, batched, pad).unbind(0)
+
             w2c_q, c2w_k = scaled(poses_q[0]), scaled(poses_k[1])
             bq, bk = poses_q[0].dim() == 4, poses_k[1].dim() == 4
-            se3 = (block_matrices(w2c_q.transpose(-1, -2), self.se3_dims, bq),
-                   block_matrices(c2w_k, self.se3_dims, bk),
-                   block_matrices(w2c_q, self.se3_dims, bq))
+            se3 = (layers(w2c_q.transpose(-1, -2), bq, pad_q), layers(c2w_k, bk, pad_k), layers(w2c_q, bq, pad_q))
         so2 = None
         if self.so2_dims:  # rotations: rho^-T = rho, rho^-1 = conjugate
             so2 = (rot_q, rot_k, rot_q.conj().resolve_conj())
@@ -247,22 +251,18 @@ class GtaMultiview(PositionalEncoding):
 
     def _transform(self, x: torch.Tensor, state, which: int, layer: int) -> torch.Tensor:
         se3, so2 = state
-        parts = list(x.split([self.identity_dims, self.se3_dims, self.so2_dims], dim=-1))
-        if se3 is not None:
-            if layer >= self.ctx.depth:
-                raise ValueError(f"encoding 'gta_multiview' was built for depth={self.ctx.depth} (one translation "
-                                 f'scale per layer), got layer {layer}; pass depth=... to create_pe')
-            parts[1] = apply_block_rotation(parts[1], se3[which][layer])
-        if so2 is not None:
-            parts[2] = apply_pair_rotation(parts[2], so2[which])
-        return torch.cat(parts, dim=-1)
+        if se3 is not None and layer >= self.ctx.depth:
+            raise ValueError(f"encoding 'gta_multiview' was built for depth={self.ctx.depth} (one translation "
+                             f'scale per layer), got layer {layer}; pass depth=... to create_pe')
+        return rotate_channels(x, [(self.identity_dims, None, None),
+                                   (self.se3_dims, 'matrix', se3[which][layer] if se3 is not None else None),
+                                   (self.so2_dims, 'table', so2[which] if so2 is not None else None)])
 
     def qk(self, q, k, state, layer, x=None):
         return self._transform(q, state, 0, layer), self._transform(k, state, 1, layer)
 
     def value(self, v, state, layer):
-        return self._transform(v, state, 1, layer) if self.value_transform else v
+        return self._transform(v, state, 1, layer)
 
     def output(self, o, state, layer):
-        return self._transform(o, state, 2, layer) if self.value_transform else o
-
+        return self._transform(o, state, 2, layer)

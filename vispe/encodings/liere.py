@@ -13,9 +13,9 @@ from torch import nn
 
 from ..positions import Positions, grid_coordinates
 from ..registry import register_pe
-from ._lie import (
-    Rotations, RotationPE, check_axes, heads_and_layers, layerwise_exp, skew_from_upper, token_grid,
-)
+from ..rotary import RotationPE
+from ..rotary.base import check_axes, heads_and_layers, token_grid
+from ..rotary.expm import Rotations, layerwise_exp, skew_from_upper
 from ._checks import check_nonnegative
 from .base import PEContext, resolve_num_axes
 

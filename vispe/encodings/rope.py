@@ -16,24 +16,23 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
+from ..rotary import RotationPE, axial_frequencies, rotation_table, scale_frequencies
+from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling
+from .._dtypes import compute_dtype
+from ..rotary.kernels import pad_identity
 from ._checks import check_nonnegative, check_positive
-from .base import PEContext, PositionalEncoding, resolve_num_axes
-from .rotary import (
-    FrequencyScaling, axial_frequencies, compute_dtype, pad_prefix, rotate_qk, rotation_table, scale_frequencies,
-)
+from .base import PEContext, resolve_num_axes
 
 __all__ = ['RopeAxial', 'RopeMixed', 'PairRotaryPE']
 
 
-class PairRotaryPE(PositionalEncoding):
-    """Shared mechanics of pair-rotation encodings whose angles are linear in position.
+class PairRotaryPE(RotationPE):
+    """RoPE's rotations: complex tables (kind ``table``) of angles linear in the token coordinates.
 
     Subclasses implement `angles(coords, pos)` returning ``(..., N, P)`` angles (and a magnitude
-    broadcastable to them); the state is one complex table per forward, prefix rows set to the
-    identity, shared by every layer (or indexed per layer when the table has a leading layer axis).
+    broadcastable to them) and `rotation`, the table shared by every layer or one per layer.
     """
-    shift_invariant = True
-    per_layer: bool = False
+    rotation_kind = 'table'
 
     def __init__(self, ctx: PEContext, grid_mode: GridMode) -> None:
         super().__init__(ctx)
@@ -45,25 +44,17 @@ class PairRotaryPE(PositionalEncoding):
         raise NotImplementedError
 
     def table(self, pos: Positions) -> torch.Tensor:
-        """Complex rotation table: ``([L,] [B, 1,] N_total, P)``, prefix tokens = identity."""
+        """Complex rotation table, `angles`' shape with ``N_total`` rows, prefix tokens = identity."""
         coords = grid_coordinates(pos, self.grid_mode).flip(-1)  # x (column) first
         coords = coords.to(compute_dtype(coords))
         theta, magnitude = self.angles(coords, pos)
-        rot = rotation_table(theta, magnitude)
-        rot = pad_prefix(rot, pos.num_prefix, dim=-2)
-        if pos.batched:  # (..., B, N, P) -> (..., B, 1, N, P): broadcast over heads
-            rot = rot.unsqueeze(-3)
-        return rot
+        return pad_identity(rotation_table(theta, magnitude), pos.num_prefix, 'table')
 
-    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Tuple[torch.Tensor, torch.Tensor]:
-        rot_q = self.table(pos_q)
-        return rot_q, (rot_q if pos_k is None else self.table(pos_k))
 
-    def qk(self, q, k, state, layer, x=None):
-        rot_q, rot_k = state
-        if self.per_layer:  # self-attention shares one table: index it once, so q and k rotate together
-            rot_q, rot_k = (rot_q[layer],) * 2 if rot_q is rot_k else (rot_q[layer], rot_k[layer])
-        return rotate_qk(q, k, rot_q, rot_k, 'table')
+def _check_scaling(name: str, scaling: str, allowed: Tuple[str, ...]) -> str:
+    if scaling not in allowed:
+        raise ValueError(f'option scaling of encoding {name!r} must be one of {allowed}, got {scaling!r}')
+    return scaling
 
 
 def _check_factor(name: str, scaling_factor: Optional[float]) -> Optional[float]:
@@ -117,7 +108,7 @@ class RopeAxial(PairRotaryPE):
             raise ValueError(f"encoding 'rope_axial' needs head_dim >= {2 * len(ctx.grid_size)} for a "
                              f"{len(ctx.grid_size)}D grid, got head_dim={ctx.head_dim}")
         self.theta = check_positive(self.name, 'theta', theta)
-        self.scaling = scaling
+        self.scaling = _check_scaling(self.name, scaling, tuple(FREQUENCY_SCALING))
         self.scaling_factor = _check_factor(self.name, scaling_factor)
         slow = check_nonnegative(self.name, 'yarn_beta_slow', yarn_beta_slow)
         fast = check_nonnegative(self.name, 'yarn_beta_fast', yarn_beta_fast)
@@ -133,6 +124,12 @@ class RopeAxial(PairRotaryPE):
             raise ValueError(f"encoding 'rope_axial' needs head_dim >= {2 * num_axes} for {num_axes} axes, "
                              f"got head_dim={self.ctx.head_dim}")
         return axial_frequencies(per_axis, self.theta, step=2.0, dim=2 * per_axis)
+
+    def rotation(self, pos: Positions, batch: Optional[int] = None) -> torch.Tensor:
+        rot = self.table(pos)  # ([B,] N_total, P)
+        if pos.batched:  # (B, 1, N, P): broadcast over heads
+            rot = rot.unsqueeze(-3)
+        return rot.unsqueeze(0)  # one table for every layer
 
     def angles(self, coords, pos):
         axes = coords.shape[-1]
@@ -166,7 +163,6 @@ class RopeMixed(PairRotaryPE):
     """
     larger_input = 'extrapolate'
     paper = 'Heo et al., ECCV 2024 (RoPE-ViT), arXiv:2403.13298'
-    per_layer = True
 
     def __init__(
             self,
@@ -184,7 +180,8 @@ class RopeMixed(PairRotaryPE):
                              f"got head_dim={ctx.head_dim}")
         self.num_axes = resolve_num_axes(ctx, num_axes, self.name)
         self.theta = check_positive(self.name, 'theta', theta)
-        self.scaling = scaling
+        # NTK's base scaling assumes one geometric table, which learned frequencies are not
+        self.scaling = _check_scaling(self.name, scaling, ('none', 'linear', 'yarn'))
         self.scaling_factor = _check_factor(self.name, scaling_factor)
         self.freqs = nn.Parameter(self.init_freqs(self.num_axes, ctx.depth, ctx.num_heads, ctx.head_dim, theta))
 
@@ -222,8 +219,5 @@ class RopeMixed(PairRotaryPE):
             theta = theta + c.unsqueeze(-1).unsqueeze(-3) * f
         return theta, mag
 
-    def table(self, pos: Positions) -> torch.Tensor:
-        coords = grid_coordinates(pos, self.grid_mode).flip(-1)
-        coords = coords.to(compute_dtype(coords))
-        theta, magnitude = self.angles(coords, pos)  # (L, [B,] H, N, P)
-        return pad_prefix(rotation_table(theta, magnitude), pos.num_prefix, dim=-2)
+    def rotation(self, pos: Positions, batch: Optional[int] = None) -> torch.Tensor:
+        return self.table(pos)  # (L, [B,] H, N_total, P): one table per layer

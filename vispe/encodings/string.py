@@ -16,19 +16,21 @@ from torch import nn
 from .._tracing import is_tracing
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
-from ._lie import (
-    RotationPE, axis_sum, check_axes, heads_and_layers, pad_identity, require_divisible, skew_from_upper,
-)
+from ..rotary import RotationPE, RotationState
+from ..rotary.autograd import angle_tables
+from ..rotary.base import check_axes, heads_and_layers, require_divisible
+from ..rotary.expm import axis_sum, skew_from_upper
+from .._dtypes import compute_dtype
+from ..rotary.kernels import pad_identity
 from ._checks import check_min_int, check_nonnegative, check_positive
-from .base import PEContext, PositionalEncoding, resolve_num_axes
+from .base import PEContext, resolve_num_axes
 from .rope import RopeMixed
-from .rotary import angle_tables, compute_dtype, rotate_qk
 
 __all__ = ['StringCayley', 'StringCirculant']
 
 
 @register_pe('string_cayley')
-class StringCayley(PositionalEncoding):
+class StringCayley(RotationPE):
     """Cayley-STRING (Schenck et al., 2025): ``R(r) = RoPE(r) P`` with ``P = (I - S)(I + S)^-1``.
 
     ``S`` is antisymmetric and learned per layer and head (``skew``, the strict upper triangle,
@@ -59,6 +61,7 @@ class StringCayley(PositionalEncoding):
     shift_invariant = True
     larger_input = 'extrapolate'
     paper = 'Schenck et al., ICML 2025 (STRING), arXiv:2502.02562'
+    rotation_kind = 'mixed_pair'
 
     def __init__(
             self,
@@ -100,21 +103,21 @@ class StringCayley(PositionalEncoding):
         theta, _ = self.rope.angles(coords.to(compute_dtype(self.skew)), pos)
         return pad_identity(theta, pos.num_prefix, 'pair')
 
-    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]):
-        # per-layer tensors: indexing one (L, ...) tensor per layer would build full-size gradients
+    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> RotationState:
+        # `P` once for q and k, and the kind depends on the folded flag: one state of kind ``pair``
+        # (folded: RoPE alone) or ``mixed_pair`` with per-layer (P, angles) (indexing one (L, ...)
+        # tensor per layer would build full-size gradients)
         if self.folded.is_meta or is_tracing():  # the flag has no value to branch on: P, or I once folded
             p = self.orthogonal()
             mix = torch.where(self.folded, torch.eye(p.shape[-1], dtype=p.dtype, device=p.device), p).unbind(0)
         else:
             mix = None if bool(self.folded) else self.orthogonal().unbind(0)
         angle_q = angle_tables(self.angles(pos_q).unbind(0))
-        return mix, angle_q, (angle_q if pos_k is None else angle_tables(self.angles(pos_k).unbind(0)))
-
-    def qk(self, q, k, state, layer, x=None):
-        mix, angle_q, angle_k = state
+        angle_k = angle_q if pos_k is None else angle_tables(self.angles(pos_k).unbind(0))
         if mix is None:
-            return rotate_qk(q, k, angle_q[layer], angle_k[layer], 'pair')
-        return rotate_qk(q, k, (mix[layer], angle_q[layer]), (mix[layer], angle_k[layer]), 'mixed_pair')
+            return RotationState('pair', angle_q, angle_k)
+        rot_q = tuple(zip(mix, angle_q))
+        return RotationState('mixed_pair', rot_q, rot_q if pos_k is None else tuple(zip(mix, angle_k)))
 
     @torch.no_grad()
     def fold_into(self, model: nn.Module) -> int:

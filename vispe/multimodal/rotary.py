@@ -17,9 +17,11 @@ the scheme's frequency allocation:
 * ``rope`` / ``v2pe``: one axis (V2PE's float positions).
 
 Angles are ``float32(position) * inv_freq`` in float32, exactly as Llama / Qwen2-VL compute them, so
-for pure text every scheme gives bit-identical cos/sin to ordinary 1D RoPE. `apply_rotary` applies
-them through vispe's shared pair-rotation kernel (float32, result cast back to q's dtype): bit for
-bit transformers' ``apply_rotary_pos_emb`` in float32, not in bfloat16 / float16 (see there).
+for pure text every scheme gives bit-identical cos/sin to ordinary 1D RoPE (the frequencies are
+`vispe.rotary.axial_frequencies`). `apply_rotary` applies them through vispe's shared rotation
+dispatch (`vispe.rotary.rotate_qk`, rotate-half tables: float32, result cast back to q's dtype, a
+backward that keeps only the rotated q and k): bit for bit transformers' ``apply_rotary_pos_emb`` in
+float32, not in bfloat16 / float16 (see there).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..encodings.rotary import apply_pair_rotation
+from ..rotary import axial_frequencies, rotate_qk
 from .ids import SCHEMES, Scheme
 
 __all__ = ['MultimodalRotary', 'apply_rotary', 'rotary_table', 'default_sections', 'default_head_sections']
@@ -127,8 +129,8 @@ class MultimodalRotary(nn.Module):
         self.head_dim, self.rotary_dim, self.theta = head_dim, rotary_dim, theta
         P = rotary_dim // 2
         # Llama / Qwen2-VL: 1 / theta ** (arange(0, d, 2) / d) in float32
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-        self.register_buffer('inv_freq', inv_freq.to(device), persistent=False)
+        inv_freq = axial_frequencies(P, theta, step=2.0, dim=rotary_dim, device=device)
+        self.register_buffer('inv_freq', inv_freq, persistent=False)
         self.sections: Optional[Tuple[int, ...]] = None
         self.head_sections: Optional[Tuple[int, ...]] = None
         self.mode = 'heads' if name == 'mhrope' else 'pairs'  # MHRoPE: head-wise tables
@@ -200,7 +202,7 @@ class MultimodalRotary(nn.Module):
         return cos, sin
 
     def table(self, ids: Tensor) -> Tensor:
-        """Complex table ``([B,] [H,] N, P)`` for `vispe.encodings.rotary.apply_pair_rotation(..., 'half')`."""
+        """Complex table ``([B,] [H,] N, P)`` for `vispe.rotary.apply_pair_rotation(..., 'half')`."""
         ang = self.angles(ids)
         return torch.complex(ang.cos(), ang.sin())
 
@@ -256,4 +258,4 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     """
     rq = rotary_table(cos, sin, q, unsqueeze_dim)
     rk = rq if k.shape[unsqueeze_dim] == q.shape[unsqueeze_dim] else rotary_table(cos, sin, k, unsqueeze_dim)
-    return apply_pair_rotation(q, rq, layout='half'), apply_pair_rotation(k, rk, layout='half')
+    return rotate_qk(q, k, rq, rk, 'half_table')

@@ -1,17 +1,17 @@
-"""Fused Triton kernels for the rotary core's pair and block rotations (kinds ``table``, ``pair``, ``block``).
+"""Fused Triton kernels for the pair and block rotations of `vispe.rotary` (kinds ``table``, ``pair``, ``block``).
 
-On a GPU the reference rotations of `rotary` are launch-bound: a rotation of q and k costs 20-40
+On a GPU the reference rotations of `kernels` are launch-bound: a rotation of q and k costs 20-40
 small kernels (complex views, products, casts, concatenations, copies into a stack, and as many
 again in backward). Here each direction is one launch of `_rotation_kernel`:
 
 * forward: ``R x`` for q and k together (the members of one launch share the rotation), read in
   whatever strided layout they come in (notably as two views of timm's fused qkv projection,
   ``qkv.reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4)``) and written, stacked, in q's memory order
-  with channels last: the contract of ``rotary._forward(keep_layout=True)``, so that SDPA's output
+  with channels last: the contract of ``autograd._forward(keep_layout=True)``, so that SDPA's output
   and the projection after it keep the fused projection's layout;
 * backward: ``grad_x = R^T grad`` (the same kernel, transposed rotation) and, in the same pass, the
   rotation's gradient from the saved output ``y = R x`` (never ``x`` itself, as in
-  ``rotary._SavedOutputRotation``), reduced in-kernel over the dims the rotation broadcasts along
+  ``autograd._SavedOutputRotation``), reduced in-kernel over the dims the rotation broadcasts along
   (batch, q / k, shared heads) into a few partial sums that torch adds up.
 
 Conventions of the reference kept exactly: interleaved pairs ``(2j, 2j + 1)``; a complex table may
@@ -39,7 +39,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the reference kernels of `rotary` serve alone
+except ImportError:  # the reference kernels of `kernels` serve alone
     triton = tl = None
 
 __all__ = ['AVAILABLE', 'supported', 'rotate']
@@ -193,7 +193,7 @@ def supported(kind: str, inputs: Sequence[torch.Tensor], rot: torch.Tensor) -> b
 
 def _stacked_like(x: torch.Tensor, count: int) -> torch.Tensor:
     """An empty ``(count, *x.shape)``: the stack outermost, then ``x``'s dims in its memory order,
-    channels last (`rotary._stack`'s layout)."""
+    channels last (`autograd._stack`'s layout)."""
     order = sorted(range(x.dim() - 1), key=lambda d: -x.stride(d)) + [x.dim() - 1]
     out = x.new_empty([count] + [x.shape[d] for d in order])
     return out.permute(0, *(1 + order.index(d) for d in range(x.dim())))
@@ -256,7 +256,7 @@ def _launch(kind: str, rot: torch.Tensor, xs: Sequence[torch.Tensor], transpose:
 
 
 class _FusedRotation(torch.autograd.Function):
-    """`rotary._SavedOutputRotation` on the fused kernels: ``x -> R x`` for one or two members sharing
+    """`autograd._SavedOutputRotation` on the fused kernels: ``x -> R x`` for one or two members sharing
     ``rot``, keeping only ``R x`` and ``rot``; backward is one launch for ``R^T grad`` and ``rot``'s
     gradient together."""
 

@@ -1,46 +1,31 @@
-"""Shared machinery of the learned rotation encodings (LieRE, ComRoPE, STRING).
-
-All of them rotate q and k by ``R(p) = exp(sum_d p_d A_d)`` with skew-symmetric, block-diagonal
-generators ``A_d`` (``b x b`` blocks), or by a structured equivalent (pair rotations, FFT).
-``R`` depends on positions and parameters only, so it is built once per forward for every layer and
-head and never per sample (except under training-time position jitter, where it stays
-block-diagonal). What lives here:
+"""Matrix exponentials of the learned rotations: ``R(p) = exp(sum_d p_d A_d)`` with skew-symmetric,
+block-diagonal generators ``A_d`` (``b x b`` blocks; LieRE, ComRoPE, Circulant-STRING's rates).
 
 * `expm_skew`: ``exp`` of a batch of small skew-symmetric matrices (scaling and squaring of a
   degree-12 Taylor polynomial; closed form for ``2 x 2``), faster than `torch.linalg.matrix_exp`,
   which serves where the number of squarings cannot be read from the data (tracing, meta tensors);
-* `linear_exp`: ``exp(sum_d p_d A_d)`` at every position at once: a complex pair table when
+* `linear_exp`: ``exp(sum_d p_d A_d)`` at every position at once: plane-rotation angles when
   ``b = 2`` (a learned-frequency RoPE, cos / sin in closed form), else ``b x b`` blocks whose Taylor
   part is one GEMM over monomials of the coordinates followed by a few squarings on a structure of
-  arrays (`_soa_matmul`); in training it is recomputed in backward (`layerwise_exp`: one layer at a
-  time) instead of storing intermediates;
-* rotations are applied with `rotary.rotate_qk` (pairs, blocks, FFT), which keeps only the rotated
-  output for backward (the input is recovered as ``R^T (R x)``);
-* `RotationPE`: the per-forward state (per-layer rotation tensors, identity rows for prefix tokens,
-  per-sample rotations built lazily once the batch size is known) and the ``qk`` hook.
+  arrays (`_soa_matmul`), in one autograd Function that recomputes them in backward
+  (`_LinearExpBlocks`) instead of storing intermediates; `layerwise_exp` does it one layer at a time;
+* `skew`, `skew_from_upper`, `axis_sum`: the parametrisations and the sum over axes.
 
 Rotation tensors are laid out ``(L', [B,] H', N, ...)``: ``L'`` is 1 (shared) or the depth, ``H'``
-is 1 (shared) or the heads, ``B`` only for per-sample positions; a layer's slice broadcasts against
-``(B, H, N, hd)`` without a per-sample copy.
+is 1 (shared) or the heads, ``B`` only for per-sample positions.
 """
 from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .._tracing import is_tracing
-from ..positions import Positions
-from .base import PEContext, PositionalEncoding
-from .rotary import angle_tables, compute_dtype, rotate_qk
+from .kernels import pad_identity
 
-__all__ = [
-    'expm_skew', 'skew', 'skew_from_upper', 'axis_sum', 'linear_exp', 'layerwise_exp', 'pad_identity',
-    'token_grid', 'check_axes',
-    'LazyRotations', 'RotationPE', 'Rotations',
-]
+__all__ = ['Rotations', 'axis_sum', 'expm_skew', 'layerwise_exp', 'linear_exp', 'skew', 'skew_from_upper']
 
 Rotations = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -260,7 +245,7 @@ def _taylor_soa(gen: torch.Tensor, coef: torch.Tensor, degree: int) -> torch.Ten
 def _position_major(y: torch.Tensor, gen: torch.Tensor, coef: torch.Tensor, num_prefix: int) -> torch.Tensor:
     """`_taylor_soa`-layout blocks as rotations ``(L', [B,] H', N_prefix + N, nb, b, b)`` with identity
     rows for the prefix tokens, laid out position-major ``(L', [B,] N, H', nb, b, b)`` as q and k lie
-    in attention, so that `rotary.rotate_blocks` multiplies views of both without copying either."""
+    in attention, so that `kernels.rotate_blocks` multiplies views of both without copying either."""
     layers, heads, nb, b = gen.shape[1], gen.shape[2], gen.shape[3], gen.shape[-1]
     lead = (layers,) + tuple(coef.shape[:-2])
     n = coef.shape[-2]
@@ -371,115 +356,3 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) 
     squarings, degree = _squarings(gen, coords), _poly_degree(gen.shape[0])
     coef = _monomials(coords, squarings, degree)  # the same for every layer
     return [_LinearExpBlocks.apply(g, coef, squarings, degree, num_prefix)[0] for g in gen.split(1, dim=1)]
-
-
-def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:
-    """Prepend identity rotations for ``num_prefix`` prefix tokens: identity ``b x b`` blocks for kind
-    ``block`` (``(..., N, nb, b, b)``, keeping ``rot``'s memory layout), zero angles otherwise
-    (``(..., N, P)``)."""
-    if num_prefix == 0:
-        return rot
-    if kind == 'block':
-        shape = list(rot.shape)
-        shape[-4] += num_prefix
-        order = sorted(range(rot.dim()), key=lambda d: -rot.stride(d))  # rot's memory order
-        out = rot.new_empty([shape[d] for d in order]).permute(*sorted(range(rot.dim()), key=order.__getitem__))
-        out.narrow(-4, 0, num_prefix).copy_(torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device))
-        out.narrow(-4, num_prefix, rot.shape[-4]).copy_(rot)
-        return out
-    shape = list(rot.shape)
-    shape[-2] = num_prefix
-    return torch.cat([rot.new_zeros(shape), rot], dim=-2)
-
-
-def token_grid(pos: Positions) -> Optional[Tuple[int, ...]]:
-    """The grid the (non-prefix) coordinates index: ``pos.grid``; after token selection (patch dropout
-    keeps integer indices but drops the grid) the training grid; None for point sets."""
-    if pos.grid is not None:
-        return pos.grid
-    return pos.train_grid
-
-
-def check_axes(name: str, coords: torch.Tensor, num_axes: int) -> None:
-    if coords.shape[-1] != num_axes:
-        raise ValueError(f'encoding {name!r} was built for {num_axes} coordinate axes (option num_axes), '
-                         f'positions have {coords.shape[-1]}')
-
-
-class LazyRotations:
-    """Rotations whose shape depends on the batch (per-sample jitter): built on the first ``qk`` call
-    of a forward, from the batch size it sees, then shared by every later layer of that forward."""
-
-    def __init__(self, build: Callable[[int], Tuple[Any, Any]]) -> None:
-        self._build = build
-        self._state: Optional[Tuple[Any, Any]] = None
-
-    def get(self, batch: int) -> Tuple[Any, Any]:
-        if self._state is None:
-            self._state = self._build(batch)
-        return self._state
-
-
-RotState = Union[Tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]], LazyRotations]
-
-
-class RotationPE(PositionalEncoding):
-    """Base of encodings that rotate q and k by a per-position rotation shared by the whole batch.
-
-    Subclasses implement `rotation(pos, batch)` returning the rotations of one token set (prefix rows
-    included), a tensor ``(L', [B,] H', N_total, ...)`` or a sequence of its ``L'`` layer slices;
-    ``batch`` is given only when `per_sample` is true. The state is ``(rot_q, rot_k)``, each a tuple
-    of per-layer tensors (indexing a layer of one tensor would make its backward build a full-size
-    gradient for every layer).
-    """
-    shift_invariant = True
-    rotation_kind: str = 'block'  # how `rotation` tensors are applied (see `rotary.orthogonal_map`)
-    rotation_block: int = 0  # FFT block size of kind 'fourier'
-
-    def per_sample(self, pos: Positions) -> bool:
-        """True when this forward's rotations of ``pos`` differ between samples (training-time jitter)."""
-        return False
-
-    def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
-        raise NotImplementedError
-
-    def compute_dtype(self) -> torch.dtype:
-        """float32 for float32 / half parameters, float64 for float64 ones (exactness tests)."""
-        p = next(self.parameters(), None)
-        return compute_dtype(p) if p is not None else torch.float32
-
-    def _layers(self, pos: Positions, batch: Optional[int]) -> Tuple[torch.Tensor, ...]:
-        rot = self.rotation(pos, batch)
-        layers = rot.unbind(0) if torch.is_tensor(rot) else tuple(rot)
-        return angle_tables(layers) if self.rotation_kind in ('pair', 'fourier') else layers
-
-    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> RotState:
-        if self.per_sample(pos_q) or (pos_k is not None and self.per_sample(pos_k)):
-            def build(batch: int) -> Tuple[Any, Any]:
-                rq = self._layers(pos_q, batch)
-                return rq, (rq if pos_k is None else self._layers(pos_k, batch))
-            return LazyRotations(build)
-        rq = self._layers(pos_q, None)
-        return rq, (rq if pos_k is None else self._layers(pos_k, None))
-
-    @staticmethod
-    def layer_rotations(state: RotState, layer: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        rq, rk = state.get(batch) if isinstance(state, LazyRotations) else state
-        return rq[layer if len(rq) > 1 else 0], rk[layer if len(rk) > 1 else 0]
-
-    def qk(self, q, k, state, layer, x=None):
-        rq, rk = self.layer_rotations(state, layer, q.shape[0])
-        return rotate_qk(q, k, rq, rk, self.rotation_kind, self.rotation_block)
-
-
-def heads_and_layers(ctx: PEContext, per_layer: bool, per_head: bool = True) -> Tuple[int, int]:
-    """Leading dims ``(L', H')`` of per-layer / per-head parameters."""
-    return (ctx.depth if per_layer else 1), (ctx.num_heads if per_head else 1)
-
-
-def require_divisible(name: str, head_dim: int, block: int, option: str = 'block') -> int:
-    if block < 1:
-        raise ValueError(f'option {option} of encoding {name!r} must be >= 1, got {block}')
-    if head_dim % block:
-        raise ValueError(f'encoding {name!r} needs head_dim divisible by {option}={block}, got head_dim={head_dim}')
-    return head_dim // block

@@ -1,0 +1,92 @@
+"""Rotary frequencies: the geometric table and its scaling for longer inputs.
+
+Every rotary encoding of vispe builds its frequencies here: RoPE-ViT's axial tables, GTA's and
+PRoPE's per-axis tables, the LLM tables of the multimodal rotary (Llama / Qwen2-VL's
+``1 / theta ** (arange(0, d, 2) / d)``, bit for bit) and, for sinusoidal absolute embeddings, the
+same geometric table. Frequencies are float32 unless a dtype is asked for.
+
+Scaling for inputs longer than in training is a table of named functions (as transformers'
+``ROPE_INIT_FUNCTIONS``), `FREQUENCY_SCALING`, each ``(freqs, factor, train_length, betas) ->
+(freqs, magnitude)``; `scale_frequencies` looks the name up and names the valid ones otherwise.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Literal, Optional, Tuple
+
+import torch
+
+__all__ = ['FrequencyScaling', 'FREQUENCY_SCALING', 'axial_frequencies', 'scale_frequencies']
+
+FrequencyScaling = Literal['none', 'linear', 'ntk', 'yarn']
+Betas = Tuple[float, float]
+ScalingFunction = Callable[[torch.Tensor, float, float, Betas], Tuple[torch.Tensor, float]]
+
+
+def axial_frequencies(num_pairs: int, theta: float, step: float = 2.0, dim: Optional[int] = None,
+                      dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Geometric frequencies ``1 / theta ** (step * k / dim)`` for ``k < num_pairs``, in ``dtype``.
+
+    With ``dim`` the head dim and ``step = 4`` this is RoPE-ViT's 2D axial table ``1/theta^(4k/hd)``;
+    with ``step = 2`` and ``dim = hd`` it is 1D RoPE's ``1/theta^(2k/hd)`` (Llama's ``inv_freq``);
+    with ``step = 1`` and ``dim = num_pairs`` GTA's and PRoPE's ``theta^(-k / F)`` (and MAE's sin-cos
+    ``1 / 10000^(k / (G/2))``).
+    """
+    dim = dim if dim is not None else 2 * num_pairs
+    k = torch.arange(num_pairs, dtype=dtype, device=device)
+    return 1.0 / theta ** (step * k / dim)
+
+
+def _none(freqs: torch.Tensor, factor: float, train_length: float, betas: Betas) -> Tuple[torch.Tensor, float]:
+    return freqs, 1.0
+
+
+def _linear(freqs: torch.Tensor, factor: float, train_length: float, betas: Betas) -> Tuple[torch.Tensor, float]:
+    """Position interpolation (Chen et al. 2023): every frequency divided by ``factor``."""
+    return freqs / factor, 1.0
+
+
+def _ntk(freqs: torch.Tensor, factor: float, train_length: float, betas: Betas) -> Tuple[torch.Tensor, float]:
+    """NTK-aware base scaling (bloc97 2023), ``theta' = theta * factor^(d / (d - 2))``, which for a
+    geometric table sorted from high to low frequency is ``f_k * factor^(-(2k / (d - 2)))``: the highest
+    frequency kept, the lowest interpolated."""
+    d = 2 * freqs.numel()
+    if d <= 2:
+        return freqs / factor, 1.0
+    k = torch.arange(freqs.numel(), dtype=freqs.dtype, device=freqs.device)
+    return freqs * factor ** (-2 * k / (d - 2)), 1.0
+
+
+def _yarn(freqs: torch.Tensor, factor: float, train_length: float, betas: Betas) -> Tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023) "NTK-by-parts": frequencies that turn more than ``beta_fast`` times over
+    the training length are kept, fewer than ``beta_slow`` times interpolated, a ramp linear in the
+    number of turns between (transformers ramps linearly in the pair index: the same ends, another
+    middle); magnitude ``0.1 ln(factor) + 1`` (the attention temperature)."""
+    beta_fast, beta_slow = betas
+    rotations = train_length * freqs.abs() / (2 * math.pi)
+    ramp = ((rotations - beta_slow) / (beta_fast - beta_slow)).clamp(0, 1)
+    return freqs / factor * (1 - ramp) + freqs * ramp, 0.1 * math.log(factor) + 1.0
+
+
+FREQUENCY_SCALING: Dict[str, ScalingFunction] = {'none': _none, 'linear': _linear, 'ntk': _ntk, 'yarn': _yarn}
+"""Frequency scaling by name: ``(freqs, factor, train_length, (beta_fast, beta_slow)) -> (freqs, magnitude)``."""
+
+
+def scale_frequencies(
+        freqs: torch.Tensor,
+        factor: float,
+        method: FrequencyScaling,
+        train_length: float,
+        yarn_beta_fast: float = 32.0,
+        yarn_beta_slow: float = 1.0,
+) -> Tuple[torch.Tensor, float]:
+    """Adapt one axis' frequencies to a sequence ``factor`` times longer than ``train_length``.
+
+    Returns the new frequencies and a magnitude factor for cos / sin (1 except for YaRN). A factor of
+    at most 1 (no longer than in training) leaves the frequencies as they are.
+    """
+    if method not in FREQUENCY_SCALING:
+        raise ValueError(f'frequency scaling must be one of {tuple(FREQUENCY_SCALING)}, got {method!r}')
+    if method == 'none' or factor <= 1.0:  # 'none' first: a traced (symbolic) factor is then never compared
+        return freqs, 1.0
+    return FREQUENCY_SCALING[method](freqs, factor, train_length, (yarn_beta_fast, yarn_beta_slow))
