@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Literal, Sequence, Tuple
+from typing import Dict, List, Literal, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
-from .._tracing import is_tracing
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
+from ..rotary.frequencies import axial_frequencies
 from ._checks import check_nonnegative, check_positive
+from .additive import AdditivePE
 from .base import PEContext, PositionalEncoding
 
 __all__ = ['NoPE', 'LearnedPE', 'SinCosPE']
@@ -27,13 +28,6 @@ class NoPE(PositionalEncoding):
         super().__init__(ctx)
 
 
-def _pad_prefix_rows(table: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    """Zero rows for prefix tokens in front of a ``(1, N, C)`` table."""
-    if num_prefix == 0:
-        return table
-    return torch.cat([table.new_zeros(table.shape[0], num_prefix, table.shape[-1]), table], dim=1)
-
-
 def _require_grid(name: str, pos: Positions) -> Tuple[int, ...]:
     if pos.grid is None:
         raise ValueError(f'encoding {name!r} needs grid positions (vispe.positions.grid), got a point set')
@@ -41,7 +35,7 @@ def _require_grid(name: str, pos: Positions) -> Tuple[int, ...]:
 
 
 @register_pe('learned', family='baseline')
-class LearnedPE(PositionalEncoding):
+class LearnedPE(AdditivePE):
     """timm's learned absolute position table (Dosovitskiy et al., ICLR 2021).
 
     The parameter is ``pos_embed`` of shape ``(1, prefix + h * w, C)`` (prefix rows only when
@@ -91,6 +85,35 @@ class LearnedPE(PositionalEncoding):
         grid = F.interpolate(grid.float(), size=tuple(new), mode=mode).to(table.dtype)
         return torch.cat([prefix, grid.movedim(1, -1).reshape(1, -1, table.shape[-1])], dim=1)
 
+    def adopt_pos_embed(self, table: torch.Tensor, num_prefix: int, grid: Tuple[int, ...]
+                        ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+        """Take over timm's ``pos_embed`` ``(1, num_prefix + prod(grid), C)`` as this table.
+
+        Prefix rows: the first ``num_table_prefix`` of the checkpoint's rows are kept (timm orders them
+        class token, then registers) and the rest dropped; rows this table has beyond the checkpoint's
+        keep their initialisation. The grid rows are resampled from ``grid`` (any shape, e.g.
+        non-square) to this encoding's grid as `embedding` resamples them (timm's
+        `resample_abs_pos_embed` with this encoding's ``interpolation`` and ``antialias`` in 2D).
+        Returns ``({'pos_embed': table}, ['pos_embed'] if resampled else [])``.
+        """
+        grid = tuple(int(g) for g in grid)
+        if table.dim() != 3 or table.shape[0] != 1 or table.shape[1] != num_prefix + math.prod(grid):
+            raise ValueError(f'pos_embed must be (1, num_prefix + prod(grid), C) = (1, {num_prefix + math.prod(grid)}, '
+                             f'C) for num_prefix={num_prefix} and grid={grid}, got {tuple(table.shape)}')
+        if table.shape[-1] != self.ctx.dim:
+            raise ValueError(f"encoding 'learned' has dim={self.ctx.dim}, the checkpoint's pos_embed has "
+                             f'{table.shape[-1]} channels')
+        if len(grid) != len(self.ctx.grid_size):
+            raise ValueError(f"encoding 'learned' has a {len(self.ctx.grid_size)}D grid {self.ctx.grid_size}, "
+                             f'the checkpoint\'s pos_embed a {len(grid)}D grid {grid}')
+        own = self.num_table_prefix
+        prefix = table[:, :min(num_prefix, own)]
+        if num_prefix < own:  # rows the checkpoint lacks (e.g. registers) keep their initialisation
+            prefix = torch.cat([prefix, self.pos_embed.detach()[:, num_prefix:own].to(table)], dim=1)
+        table = torch.cat([prefix, table[:, num_prefix:]], dim=1)
+        resampled = grid != tuple(self.ctx.grid_size)
+        return {'pos_embed': self._resample(table, self.ctx.grid_size, grid)}, ['pos_embed'] if resampled else []
+
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         old = self.ctx.grid_size
         with torch.no_grad():
@@ -98,22 +121,34 @@ class LearnedPE(PositionalEncoding):
         self.pos_embed = nn.Parameter(table, requires_grad=self.pos_embed.requires_grad)
         super().set_grid_size(grid_size)
 
-    def embedding(self, pos: Positions) -> torch.Tensor:
+    def _rows(self, pos: Positions) -> torch.Tensor:
         grid = _require_grid(self.name, pos)
         if len(grid) != len(self.ctx.grid_size):
             raise ValueError(f"encoding 'learned' was built for a {len(self.ctx.grid_size)}D grid, got grid {grid}")
         table = self._resample(self.pos_embed, grid, self.ctx.grid_size)
-        missing = pos.num_prefix - self.num_table_prefix
-        if missing < 0:
-            table = table[:, -missing:]
-        return _pad_prefix_rows(table, max(missing, 0))
+        surplus = self.num_table_prefix - pos.num_prefix  # table rows for prefix tokens pos does not have
+        return table[:, surplus:] if surplus > 0 else table
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        return x + self.embedding(pos)
+    def encode(self, coords: torch.Tensor) -> torch.Tensor:
+        """The table sampled at continuous grid coordinates ``(..., D)`` (``(row, col)`` or ``(t, row,
+        col)`` patch indices): linear interpolation between the rows of the training grid (cubic for
+        a 2D ``'bicubic'`` table, nearest for ``'nearest'``), equal to the rows themselves at integer
+        indices; coordinates outside the grid take the border rows."""
+        grid = self.ctx.grid_size
+        if coords.shape[-1] != len(grid):
+            raise ValueError(f"encoding 'learned' has a {len(grid)}D grid {grid}, got {coords.shape[-1]}D coordinates")
+        table = self.pos_embed[:, self.num_table_prefix:].reshape(1, *grid, -1).movedim(-1, 1)
+        size = torch.tensor(grid, dtype=torch.float32, device=coords.device)
+        # grid_sample takes (x, y[, z]) = reversed axes in [-1, 1], the corner rows at +-1
+        unit = 2 * coords.reshape(-1, len(grid)).float() / (size - 1).clamp(min=1) - 1
+        where = unit.flip(-1).reshape(1, -1, *(1,) * (len(grid) - 1), len(grid))
+        mode = self.interpolation if self.interpolation == 'nearest' or len(grid) == 2 else 'bilinear'
+        feats = F.grid_sample(table.float(), where, mode=mode, padding_mode='border', align_corners=True)
+        return feats.reshape(self.ctx.dim, -1).t().to(self.pos_embed.dtype).reshape(*coords.shape[:-1], -1)
 
 
 @register_pe('sincos', family='baseline')
-class SinCosPE(PositionalEncoding):
+class SinCosPE(AdditivePE):
     """Fixed sin-cos table, 2D as in MAE (He et al., CVPR 2022), any number of axes.
 
     Convention (``layout='mae'``): the channels are split into one group per axis, in reverse grid
@@ -142,7 +177,6 @@ class SinCosPE(PositionalEncoding):
         self.layout = layout
         self.temperature = check_positive(self.name, 'temperature', temperature)
         self.grid_mode = grid_mode
-        self._tables: Dict[tuple, torch.Tensor] = {}
 
     def table(self, coords: torch.Tensor) -> torch.Tensor:
         """The ``(..., N, C)`` sin-cos features of ``(..., N, D)`` coordinates."""
@@ -152,25 +186,16 @@ class SinCosPE(PositionalEncoding):
         group = dim // axes
         half = group // 2
         denom = half - 1 if self.layout == 'big_vision' else half
-        omega = 1.0 / self.temperature ** (torch.arange(half, dtype=torch.float32, device=coords.device)
-                                           / max(denom, 1))
+        omega = axial_frequencies(half, self.temperature, step=1.0, dim=max(denom, 1), device=coords.device)
         parts = []
         for a in reversed(range(axes)):
             angle = coords[..., a:a + 1].float() * omega
             parts += [angle.sin(), angle.cos()]
         return torch.cat(parts, dim=-1)
 
-    def embedding(self, pos: Positions) -> torch.Tensor:
-        cacheable = pos.grid is not None and not is_tracing()  # nothing made while tracing (fake) is kept
-        key = (pos.grid, pos.train_grid, pos.num_prefix, pos.device) if cacheable else None
-        if key is not None and key in self._tables:
-            return self._tables[key]
-        emb = self.table(grid_coordinates(pos, self.grid_mode))
-        emb = emb.unsqueeze(0) if emb.dim() == 2 else emb
-        emb = _pad_prefix_rows(emb, pos.num_prefix)
-        if key is not None:
-            self._tables[key] = emb
-        return emb
+    def _rows(self, pos: Positions) -> torch.Tensor:
+        return self.table(grid_coordinates(pos, self.grid_mode))
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        return x + self.embedding(pos).to(x.dtype)
+    def encode(self, coords: torch.Tensor) -> torch.Tensor:
+        """The sin-cos features of continuous coordinates ``(..., D)`` (`table`)."""
+        return self.table(coords)

@@ -23,7 +23,8 @@ from torch import nn
 from ..positions import Positions
 from ..registry import register_pe
 from ._checks import check_positive
-from .base import PEContext, PositionalEncoding, autocast_off
+from .additive import AdditivePE
+from .base import PEContext, autocast_off, resolve_num_axes
 
 __all__ = ['FrequencyEncoding', 'GaussianFourierFeatures', 'NeRFFrequencyPE', 'GaussianFourierPE',
            'CoordinatePE', 'unit_coordinates']
@@ -167,30 +168,31 @@ class GaussianFourierFeatures(nn.Module):
         return f'input_dim={self.input_dim}, out_dim={self.out_dim}, order={self.order}'
 
 
-class CoordinatePE(PositionalEncoding):
+class CoordinatePE(AdditivePE):
     """Shared mechanics of the registered coordinate encodings (see the module docstring).
 
     ``encode(coords)`` / ``out_dim`` for coordinate MLPs; ``embedding(pos)`` for tokens, through a
     learned ``proj`` (``Linear(out_dim, dim)``) when ``project``, else the features themselves
-    (which then must have the token width). Prefix tokens get zeros.
+    (which then must have the token width). ``project`` defaults to True, and to False for a host
+    that uses the encoding as a coordinate map (``ctx.coordinate_map``). The coordinate axes are the
+    ``input_dim`` option, else the host's (``ctx.num_axes``), else its grid's, else 2. Prefix tokens
+    get zeros.
     """
     larger_input = 'interpolate'
 
-    def __init__(self, ctx: PEContext, encoder: nn.Module, project: bool, grid_range: GridRange) -> None:
+    def __init__(self, ctx: PEContext, encoder: nn.Module, project: Optional[bool], grid_range: GridRange) -> None:
         super().__init__(ctx)
         if grid_range not in ('unit', 'signed'):
             raise ValueError(f"option 'grid_range' of encoding {self.name!r} must be 'unit' or 'signed', "
                              f"got {grid_range!r}")
         self.encoder = encoder
         self.grid_range = grid_range
+        project = not ctx.coordinate_map if project is None else project
         self.proj = nn.Linear(encoder.out_dim, ctx.dim) if project else None
 
-    @staticmethod
-    def default_input_dim(ctx: PEContext, input_dim: Optional[int]) -> int:
-        """Coordinate axes: the option, else the host grid's, else 2."""
-        if input_dim is not None:
-            return input_dim
-        return len(ctx.grid_size) if ctx.grid_size is not None else 2
+    @classmethod
+    def _input_dim(cls, ctx: PEContext, input_dim: Optional[int]) -> int:
+        return resolve_num_axes(ctx, None, cls.name) if input_dim is None else input_dim
 
     @property
     def out_dim(self) -> int:
@@ -201,21 +203,14 @@ class CoordinatePE(PositionalEncoding):
         """Features ``(..., out_dim)`` of continuous coordinates ``(..., D)``."""
         return self.encoder(coords)
 
-    def embedding(self, pos: Positions) -> torch.Tensor:
+    def _rows(self, pos: Positions) -> torch.Tensor:
         feats = self.encode(unit_coordinates(pos, self.grid_range).float())
         if self.proj is not None:
-            feats = self.proj(feats.to(self.proj.weight.dtype))  # a bf16 model's projection takes bf16
-        elif feats.shape[-1] != self.ctx.dim:
+            return self.proj(feats.to(self.proj.weight.dtype))  # a bf16 model's projection takes bf16
+        if feats.shape[-1] != self.ctx.dim:
             raise ValueError(f'encoding {self.name!r} with project=False gives {feats.shape[-1]} features but the '
                              f'tokens have dim={self.ctx.dim}; set project=True')
-        if feats.dim() == 2:
-            feats = feats.unsqueeze(0)
-        if pos.num_prefix:
-            feats = torch.cat([feats.new_zeros(feats.shape[0], pos.num_prefix, feats.shape[-1]), feats], 1)
         return feats
-
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        return x + self.embedding(pos).to(x.dtype)
 
 
 @register_pe('nerf_freq', family='coordinate')
@@ -240,8 +235,10 @@ class NeRFFrequencyPE(CoordinatePE):
         multiply_pi: frequencies ``2^k pi`` instead of ``2^k``.
         log_sampling: ``2^k`` frequencies (else evenly spaced up to ``2^(L-1)``).
         layout: feature order, ``'nerf'`` or ``'grouped'``.
-        input_dim: coordinate axes (default: the host grid's axes, else 2; 3 for NeRF positions).
-        project: learned linear map to the token width for `embedding` (False for coordinate MLPs).
+        input_dim: coordinate axes (default: the host's ``num_axes``, else its grid's, else 2; 3 for NeRF
+            positions).
+        project: learned linear map to the token width for `embedding` (default: True, False for a
+            coordinate-map host, ``ctx.coordinate_map``).
         grid_range: coordinates of grid tokens, ``'signed'`` ``[-1, 1]`` or ``'unit'`` ``[0, 1]``.
     """
     paper = 'Mildenhall et al., ECCV 2020 (NeRF), arXiv:2003.08934'
@@ -256,10 +253,10 @@ class NeRFFrequencyPE(CoordinatePE):
             log_sampling: bool = True,
             layout: Literal['nerf', 'grouped'] = 'nerf',
             input_dim: Optional[int] = None,
-            project: bool = True,
+            project: Optional[bool] = None,
             grid_range: GridRange = 'signed',
     ) -> None:
-        encoder = FrequencyEncoding(self.default_input_dim(ctx, input_dim), levels, include_input, multiply_pi,
+        encoder = FrequencyEncoding(self._input_dim(ctx, input_dim), levels, include_input, multiply_pi,
                                     log_sampling, layout)
         super().__init__(ctx, encoder, project, grid_range)
 
@@ -277,8 +274,9 @@ class GaussianFourierPE(CoordinatePE):
         num_features: rows m of ``B`` (``out_dim = 2 m``).
         order: ``'cos_sin'`` (paper) or ``'sin_cos'`` (released notebook).
         seed: seed of ``B`` (None: the global RNG).
-        input_dim: coordinate axes (default: the host grid's axes, else 2).
-        project: learned linear map to the token width for `embedding` (False for coordinate MLPs).
+        input_dim: coordinate axes (default: the host's ``num_axes``, else its grid's, else 2).
+        project: learned linear map to the token width for `embedding` (default: True, False for a
+            coordinate-map host, ``ctx.coordinate_map``).
         grid_range: coordinates of grid tokens, ``'unit'`` ``[0, 1]`` or ``'signed'`` ``[-1, 1]``.
     """
     paper = 'Tancik et al., NeurIPS 2020 (Fourier features), arXiv:2006.10739'
@@ -292,9 +290,9 @@ class GaussianFourierPE(CoordinatePE):
             order: Literal['cos_sin', 'sin_cos'] = 'cos_sin',
             seed: Optional[int] = None,
             input_dim: Optional[int] = None,
-            project: bool = True,
+            project: Optional[bool] = None,
             grid_range: GridRange = 'unit',
     ) -> None:
         check_positive('fourier_gaussian', 'scale', scale)
-        encoder = GaussianFourierFeatures(self.default_input_dim(ctx, input_dim), num_features, scale, order, seed)
+        encoder = GaussianFourierFeatures(self._input_dim(ctx, input_dim), num_features, scale, order, seed)
         super().__init__(ctx, encoder, project, grid_range)

@@ -12,25 +12,18 @@ one puts the column table before the row table.
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Hashable, Optional
 
 import torch
 from torch import nn
 
-from .._tracing import is_tracing
 from ..positions import Positions
 from ..registry import register_pe
 from ._checks import check_positive
-from .base import PEContext, PositionalEncoding
+from .additive import AdditivePE
+from .base import PEContext
 
 __all__ = ['DetrSine', 'DetrLearned']
-
-
-def _pad_prefix_rows(table: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    """Zero rows for prefix tokens in front of a ``(B, N, C)`` table."""
-    if num_prefix == 0:
-        return table
-    return torch.cat([table.new_zeros(table.shape[0], num_prefix, table.shape[-1]), table], dim=1)
 
 
 def _grid_mask(pos: Positions, name: str) -> torch.Tensor:
@@ -50,7 +43,7 @@ def _grid_mask(pos: Positions, name: str) -> torch.Tensor:
 
 
 @register_pe('detr_sine', family='detr')
-class DetrSine(PositionalEncoding):
+class DetrSine(AdditivePE):
     """DETR's ``PositionEmbeddingSine`` (Carion et al., ECCV 2020), exactly as DETR computes it.
 
     Positions are *cumulative counts of real pixels* over the padding mask, not the grid indices:
@@ -97,7 +90,6 @@ class DetrSine(PositionalEncoding):
         self.normalize = normalize
         self.scale = check_positive(self.name, 'scale', scale)
         self.eps = check_positive(self.name, 'eps', eps)
-        self._tables: Dict[tuple, torch.Tensor] = {}
 
     def features(self, p: torch.Tensor) -> torch.Tensor:
         """DETR's features of one axis: ``(...)`` positions -> ``(..., dim / 2)`` interleaved sin / cos."""
@@ -109,38 +101,39 @@ class DetrSine(PositionalEncoding):
     def _normalized(self, counts: torch.Tensor, extent: torch.Tensor) -> torch.Tensor:
         return counts / (extent + self.eps) * self.scale if self.normalize else counts
 
-    def embedding(self, pos: Positions) -> torch.Tensor:
+    def _table_key(self, pos: Positions) -> Optional[Hashable]:
+        # without padding the table depends on the grid alone; padded batches are built afresh
+        mask = pos.key_padding_mask
+        return super()._table_key(pos) if mask is None or not bool(mask.any()) else None
+
+    def _rows(self, pos: Positions) -> torch.Tensor:
         not_mask = _grid_mask(pos, self.name)
-        # no padding: rows and columns are separable, one table per grid (none kept while tracing)
         if pos.key_padding_mask is None or bool(not_mask.all()):
-            key = (pos.grid, pos.num_prefix, pos.device)
-            if key not in self._tables or is_tracing():
-                h, w = pos.grid
-                y = torch.arange(1, h + 1, dtype=torch.float32, device=pos.device)
-                x = torch.arange(1, w + 1, dtype=torch.float32, device=pos.device)
-                fy = self.features(self._normalized(y, y[-1:]))
-                fx = self.features(self._normalized(x, x[-1:]))
-                emb = torch.cat([fy[:, None].expand(-1, w, -1), fx[None].expand(h, -1, -1)], -1)
-                emb = _pad_prefix_rows(emb.reshape(1, h * w, -1), pos.num_prefix)
-                if is_tracing():
-                    return emb
-                if len(self._tables) >= 32:
-                    self._tables.pop(next(iter(self._tables)))
-                self._tables[key] = emb
-            return self._tables[key]
+            # no padding: rows and columns are separable, h + w per-axis features
+            h, w = pos.grid
+            y = torch.arange(1, h + 1, dtype=torch.float32, device=pos.device)
+            x = torch.arange(1, w + 1, dtype=torch.float32, device=pos.device)
+            fy = self.features(self._normalized(y, y[-1:]))
+            fx = self.features(self._normalized(x, x[-1:]))
+            return torch.cat([fy[:, None].expand(-1, w, -1), fx[None].expand(h, -1, -1)], -1).reshape(h * w, -1)
         y_embed = not_mask.cumsum(1, dtype=torch.float32)
         x_embed = not_mask.cumsum(2, dtype=torch.float32)
         y_embed = self._normalized(y_embed, y_embed[:, -1:, :])
         x_embed = self._normalized(x_embed, x_embed[:, :, -1:])
-        emb = torch.cat((self.features(y_embed), self.features(x_embed)), dim=3).flatten(1, 2)
-        return _pad_prefix_rows(emb, pos.num_prefix)
+        return torch.cat((self.features(y_embed), self.features(x_embed)), dim=3).flatten(1, 2)
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        return x + self.embedding(pos).to(x.dtype)
+    def encode(self, coords: torch.Tensor) -> torch.Tensor:
+        """DETR's features of continuous ``(..., 2)`` (y, x) positions, already in the units `features`
+        takes (with ``normalize``: scaled to ``(0, scale]``; no count or normalisation is applied), y
+        features first: the sine embedding of query points, as Deformable and DAB-DETR build it."""
+        if coords.shape[-1] != 2:
+            raise ValueError(f"encoding 'detr_sine' encodes 2D (y, x) positions, got {coords.shape[-1]}D")
+        coords = coords.float()
+        return torch.cat([self.features(coords[..., 0]), self.features(coords[..., 1])], dim=-1)
 
 
 @register_pe('detr_learned', family='detr')
-class DetrLearned(PositionalEncoding):
+class DetrLearned(AdditivePE):
     """DETR's ``PositionEmbeddingLearned`` (Carion et al., ECCV 2020): learned row and column tables.
 
     Two ``nn.Embedding(num_embeddings, dim / 2)`` tables (``row_embed``, ``col_embed``, DETR's
@@ -169,7 +162,7 @@ class DetrLearned(PositionalEncoding):
         nn.init.uniform_(self.row_embed.weight)
         nn.init.uniform_(self.col_embed.weight)
 
-    def embedding(self, pos: Positions) -> torch.Tensor:
+    def _rows(self, pos: Positions) -> torch.Tensor:
         if pos.ndim != 2:
             raise ValueError(f"encoding 'detr_learned' needs 2D (row, col) positions, got {pos.ndim} axes")
         index = pos.coords.round().long()
@@ -182,10 +175,4 @@ class DetrLearned(PositionalEncoding):
         if lo < 0 or hi >= self.num_embeddings:
             raise ValueError(f"encoding 'detr_learned' has {self.num_embeddings} rows/columns (option "
                              f"'num_embeddings'), positions reach index {hi if hi >= 0 else lo}")
-        emb = torch.cat([self.col_embed(index[..., 1]), self.row_embed(index[..., 0])], dim=-1)
-        if emb.dim() == 2:
-            emb = emb.unsqueeze(0)
-        return _pad_prefix_rows(emb, pos.num_prefix)
-
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        return x + self.embedding(pos).to(x.dtype)
+        return torch.cat([self.col_embed(index[..., 1]), self.row_embed(index[..., 0])], dim=-1)

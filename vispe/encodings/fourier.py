@@ -16,7 +16,8 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
-from .base import PEContext, PositionalEncoding, autocast_off, resolve_num_axes
+from .additive import AdditivePE
+from .base import PEContext, autocast_off, resolve_num_axes
 
 __all__ = ['LearnableFourierFeatures', 'LearnableFourierPE', 'WrInit']
 
@@ -87,7 +88,7 @@ class LearnableFourierFeatures(nn.Module):
 
 
 @register_pe('fourier_learnable', family='fourier')
-class LearnableFourierPE(PositionalEncoding):
+class LearnableFourierPE(AdditivePE):
     """Learnable Fourier features added to the tokens (Li et al., NeurIPS 2021).
 
     The D coordinates of each token (``(row, col)`` patch indices for a 2D grid, ``(t, row, col)``
@@ -131,17 +132,16 @@ class LearnableFourierPE(PositionalEncoding):
             self.num_axes // groups, ctx.dim, groups=groups, fourier_dim=fourier_dim, hidden_dim=hidden_dim,
             gamma=gamma, wr_init=wr_init)
 
-    def embedding(self, pos: Positions) -> torch.Tensor:
+    def _rows(self, pos: Positions) -> torch.Tensor:
         if pos.ndim != self.num_axes:
             raise ValueError(f"encoding 'fourier_learnable' was built for {self.num_axes} coordinate axes, "
                              f'positions have {pos.ndim}')
-        coords = grid_coordinates(pos, self.grid_mode)
-        g = self.features.groups
-        emb = self.features(coords.reshape(*coords.shape[:-1], g, self.num_axes // g))
-        emb = emb.unsqueeze(0) if emb.dim() == 2 else emb
-        if pos.num_prefix:
-            emb = torch.cat([emb.new_zeros(emb.shape[0], pos.num_prefix, emb.shape[-1]), emb], dim=1)
-        return emb
+        return self.encode(grid_coordinates(pos, self.grid_mode))
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        return x + self.embedding(pos).to(x.dtype)
+    def encode(self, coords: torch.Tensor) -> torch.Tensor:
+        """The features ``(..., dim)`` of coordinates ``(..., num_axes)``, split into the groups."""
+        if coords.shape[-1] != self.num_axes:
+            raise ValueError(f"encoding 'fourier_learnable' was built for {self.num_axes} coordinate axes, "
+                             f'got {coords.shape[-1]}D coordinates')
+        g = self.features.groups
+        return self.features(coords.reshape(*coords.shape[:-1], g, self.num_axes // g))

@@ -11,13 +11,14 @@ from ..positions import Positions
 from ..positions.multiview import view_grid
 from ..registry import register_pe
 from ._checks import check_min_int
-from .base import PEContext, PositionalEncoding
+from .additive import AdditivePE
+from .base import PEContext
 
 __all__ = ['PluckerPE']
 
 
 @register_pe('plucker', family='plucker')
-class PluckerPE(PositionalEncoding):
+class PluckerPE(AdditivePE):
     """Plücker ray embedding (Jin et al., 2025, LVSM; He et al., 2024, CameraCtrl; Plücker coordinates
     of the pixel rays, Sitzmann et al., 2021, LFN).
 
@@ -84,21 +85,24 @@ class PluckerPE(PositionalEncoding):
         rays = plucker_at(cams, pos.view_index, uv, self.order)
         return rays.flatten(-2) if self.sampling == 'pixels' else rays
 
-    def _projected(self, pos: Positions) -> torch.Tensor:
-        feats = self.ray_features(pos).to(self.proj.weight.dtype)
-        emb = self.proj(feats)
-        emb = emb if emb.dim() == 3 else emb.unsqueeze(0)
-        if pos.num_prefix:
-            emb = torch.cat([emb.new_zeros(emb.shape[0], pos.num_prefix, emb.shape[-1]), emb], dim=1)
-        return emb
+    def _rows(self, pos: Positions) -> torch.Tensor:
+        return self.encode(self.ray_features(pos))
+
+    def encode(self, rays: torch.Tensor) -> torch.Tensor:
+        """The projection ``(..., dim)`` of Plücker features ``(..., num_features)`` (`ray_features`'
+        layout): rays are this encoding's coordinates."""
+        if rays.shape[-1] != self.num_features:
+            raise ValueError(f"encoding 'plucker' (sampling={self.sampling!r}, patch_size={self.patch_size}) "
+                             f'encodes {self.num_features} ray features, got {rays.shape[-1]}')
+        return self.proj(rays.to(self.proj.weight.dtype))
 
     def embedding(self, pos: Positions) -> torch.Tensor:
         if self.mode != 'add':
             raise NotImplementedError("encoding 'plucker' with mode='concat' is not additive; use embed(x, pos)")
-        return self._projected(pos)
+        return super().embedding(pos)
 
     def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        emb = self._projected(pos).to(x.dtype)
         if self.mode == 'add':
-            return x + emb
+            return super().embed(x, pos)
+        emb = self._build(pos).to(x.dtype)
         return self.fuse(torch.cat([x, emb.expand(x.shape[0], -1, -1)], dim=-1))

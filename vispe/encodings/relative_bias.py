@@ -16,6 +16,7 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ._checks import check_nonnegative
+from .._dtypes import at_least_float32
 from .base import PEContext, PositionalEncoding
 
 __all__ = ['ALiBi2D', 'SwinRelativeBias', 'alibi_slopes', 'swin_relative_position_index']
@@ -40,10 +41,6 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     if n < num_heads:
         slopes += power_of_2(2 * n)[0::2][:num_heads - n]
     return torch.tensor(slopes, dtype=torch.float32)
-
-
-def _at_least_f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float64 else t.float()
 
 
 def _pad_prefix(bias: torch.Tensor, npq: int, npk: int, values: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -91,8 +88,8 @@ class ALiBi2D(PositionalEncoding):
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> torch.Tensor:
         pos_k = pos_q if pos_k is None else pos_k
-        cq = _at_least_f32(grid_coordinates(pos_q, self.grid_mode))
-        ck = cq if pos_k is pos_q else _at_least_f32(grid_coordinates(pos_k, self.grid_mode))
+        cq = at_least_float32(grid_coordinates(pos_q, self.grid_mode))
+        ck = cq if pos_k is pos_q else at_least_float32(grid_coordinates(pos_k, self.grid_mode))
         dist = (cq.unsqueeze(-2) - ck.unsqueeze(-3)).norm(dim=-1)  # ([B,] Nq, Nk), exact (no cdist mm trick)
         dist = dist.unsqueeze(-3) if dist.dim() == 3 else dist.view(1, 1, *dist.shape)
         bias = -self.slopes.view(-1, 1, 1) * dist  # (1 | B, H, Nq, Nk): 4D keeps SDPA's fused CPU kernel
