@@ -134,3 +134,93 @@ def test_data_file_for_extrapolation_is_a_data_section():
     merged = apply_overrides(to_dict(cfg), [('data', {**to_dict(cfg.data), **raw['data']})])
     merged['sweep'] = {}
     assert build_config(merged).data.kind == 'folder'
+
+
+def _train_imports():
+    """``module -> train modules it imports`` for every module of train/, read with ``ast``."""
+    import ast
+    root = REPO / 'train'
+    graph = {}
+    for path in sorted(root.rglob('*.py')):
+        parts = path.relative_to(REPO).with_suffix('').parts
+        module = '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+        package = parts[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else ()
+                target = '.'.join(base + tuple(filter(None, (node.module or '').split('.'))))
+                names = [f'{target}.{a.name}' for a in node.names]
+                deps |= {n for n in names + [target] if (REPO / n.replace('.', '/')).with_suffix('.py').is_file()
+                         or (REPO / n.replace('.', '/') / '__init__.py').is_file()}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.split('.')[0] == 'train'}
+        graph[module] = sorted(d for d in deps if d.startswith('train') and d != module)
+    return graph
+
+
+def test_train_imports_have_no_cycle():
+    graph = _train_imports()
+    assert 'train.config' in graph['train.cli'] and 'train.schema' in graph['train.tasks.base']
+    state = {}
+
+    def visit(module, path):
+        if state.get(module) == 'open':
+            raise AssertionError(f'import cycle: {" -> ".join(path + [module])}')
+        if state.get(module) == 'done':
+            return
+        state[module] = 'open'
+        for dep in graph.get(module, ()):
+            visit(dep, path + [module])
+        state[module] = 'done'
+
+    for module in graph:
+        visit(module, [])
+
+
+def test_model_sections_are_the_model_constructors_arguments():
+    import dataclasses
+    import inspect
+
+    from train.tasks import get_task
+    from vispe_models.detr import DETR
+    from vispe_models.nerf import NeRF
+    from vispe_models.vlm import VLM
+    owned = {'detection': (DETR, set()), 'nerf': (NeRF, {'white_background'}),
+             'vlm': (VLM, {'vocab_size', 'img_size', 'tokens'})}
+    for task, (model, elsewhere) in owned.items():
+        section = get_task(task).ModelConfig
+        args = [p for p in list(inspect.signature(model.__init__).parameters.values())[1:]]
+        assert [f.name for f in dataclasses.fields(section)] == [p.name for p in args if p.name not in elsewhere]
+        defaults = section()
+        for p in args:
+            if p.name not in elsewhere and p.name != 'num_classes':  # null: from the data
+                assert getattr(defaults, p.name) == p.default, (task, p.name)
+
+
+def test_a_new_constructor_argument_is_a_new_key_with_its_type_and_default():
+    from typing import Literal, Optional, Tuple
+
+    from train.schema import ConfigError, constructor_kwargs, constructor_section, option, validate_section
+
+    class Model:
+        def __init__(self, width: int = 8, mode: Literal['a', 'b'] = 'a', sizes: Tuple[int, ...] = (1, 2),
+                     extra: Optional[float] = None) -> None:
+            pass
+
+    section = constructor_section('ModelConfig', Model, module=__name__, width=option(min=2))
+    cfg = validate_section(section, {'mode': 'b', 'sizes': [3], 'extra': '1e-3'}, 'model')
+    assert constructor_kwargs(cfg) == dict(width=8, mode='b', sizes=(3,), extra=1e-3)
+    with pytest.raises(ConfigError, match="model.mode: 'c' is not allowed; allowed values: 'a', 'b'"):
+        validate_section(section, {'mode': 'c'}, 'model')
+    with pytest.raises(ConfigError, match='model.width: must be >= 2, got 1'):
+        validate_section(section, {'width': 1}, 'model')
+    with pytest.raises(ConfigError, match="unknown config key 'model.widht'. Did you mean 'model.width'?"):
+        validate_section(section, {'widht': 1}, 'model')
+
+
+def test_an_encoding_spec_key_is_checked_down_to_its_options():
+    with pytest.raises(ConfigError, match="model.pe: option 'theta' of encoding 'rope_axial': expected float"):
+        load_config(CONFIGS / 'quickstart.yaml', ['model.pe=rope_axial:theta=big', 'sweep={}'])
+    with pytest.raises(ConfigError, match="model.pos_encoding: unknown option 'levles' for encoding 'nerf_freq'"):
+        load_config(None, ['task=nerf', 'model.pos_encoding=nerf_freq:levles=3'])

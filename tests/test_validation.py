@@ -47,7 +47,7 @@ def test_peg_blocks_beyond_the_depth_are_refused_without_materialising_them():
     ('rope_axial:' + 'k' * 10 ** 6, 'bad option'),
     ('rope_axial:grid_mode=' + 'a' * 10 ** 6, "option 'grid_mode' of encoding 'rope_axial'"),
     ('rope_axial:theta=' + 'a' * 10 ** 6, "option 'theta' of encoding 'rope_axial': expected float"),
-    ('peg:blocks=' + 'a' * 10 ** 6, "option 'blocks' of encoding 'peg': expected int"),
+    ('peg:blocks=' + 'a' * 10 ** 6, "option 'blocks' of encoding 'peg': expected an integer"),
 ], ids=['name', 'option', 'item', 'choice', 'float', 'list'])
 def test_huge_user_input_is_cut_in_error_messages(spec, what):
     with pytest.raises(ValueError) as info:

@@ -8,24 +8,23 @@ A spec is one of
 * a dict ``{'name': 'rope_axial', 'theta': 100}`` or a list of such dicts / strings.
 
 Options are the keyword arguments of the encoding's constructor; their type hints drive parsing
-and type validation, so an encoding declares its options exactly once. The registry checks types,
-duplicate options and list sizes; the constructors check values (so direct construction is checked
-too). Errors quote user input cut to 80 characters.
+and type validation (`vispe.options.coerce`, the coercer the training configs use too), so an
+encoding declares its options exactly once. The registry checks types, duplicate options and list
+sizes; constructing a class directly runs the same type checks (``PositionalEncoding.__new__``) and
+the constructors check values, so both paths give the same errors. `format_pe_spec` writes parts
+back as a canonical spec string. Errors quote user input cut to 80 characters.
 """
 from __future__ import annotations
 
-import difflib
 import inspect
-import math
-import re
-import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
-from .encodings._checks import short_repr
+from .options import short_repr
 from .encodings.base import ComposedPE, PEContext, PositionalEncoding, build_with_factory_kwargs
+from .options import coerce, did_you_mean, format_value, signature_options, unknown_option
 
-__all__ = ['register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'pe_info', 'PESpec']
+__all__ = ['register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'format_pe_spec', 'pe_info', 'PESpec']
 
 _CONTEXT_FIELDS = ('dim', 'num_heads', 'head_dim', 'depth', 'grid_size', 'num_prefix_tokens', 'embed_prefix')
 PESpec = Union[str, Mapping[str, Any], Sequence[Union[str, Mapping[str, Any]]], None]
@@ -53,10 +52,9 @@ def register_pe(name: str, family: Optional[str] = None) -> Callable[[Type[Posit
             raise ValueError(f'encoding name {name!r} is already registered by {_REGISTRY[name].cls.__name__}')
         if '+' in name or ':' in name or ',' in name:
             raise ValueError(f'encoding name {name!r} may not contain "+", ":" or ","')
-        sig = inspect.signature(cls.__init__)
-        params = list(sig.parameters.values())[2:]  # self, ctx
-        options = {p.name: p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-        hints = typing.get_type_hints(cls.__init__)
+        params, hints, _ = signature_options(cls.__init__)
+        options = {p.name: p for p in list(params.values())[2:]  # self, ctx
+                   if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
         fam = family or cls.__module__.rsplit('.', 1)[-1]
         _REGISTRY[name] = _Entry(name, cls, fam, options, hints)
         cls.name = name
@@ -82,9 +80,7 @@ def pe_info(name: str) -> Dict[str, Any]:
 
 def _lookup(name: str) -> _Entry:
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, _REGISTRY.keys(), n=3, cutoff=0.5)
-        hint = f' Did you mean {", ".join(repr(c) for c in close)}?' if close else ''
-        raise ValueError(f'unknown encoding {short_repr(name)} (argument pe).{hint} '
+        raise ValueError(f'unknown encoding {short_repr(name)} (argument pe).{did_you_mean(name, _REGISTRY)} '
                          f'Available: {", ".join(list_pes())}.')
     return _REGISTRY[name]
 
@@ -104,8 +100,42 @@ def _split_top(text: str, sep: str) -> List[str]:
     return parts
 
 
-def parse_pe_spec(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
-    """Normalise any spec form to a list of ``(name, raw options)``."""
+def parse_pe_spec(spec: PESpec, *, typed: bool = False) -> List[Tuple[str, Dict[str, Any]]]:
+    """Normalise any spec form to a list of ``(name, options)``.
+
+    Options are as written (strings from a spec string) unless ``typed``: then every name is
+    checked and every option coerced to its constructor type as `create_pe` passes it, so a bad
+    name, key or value raises here, naming it, without building anything.
+    """
+    parts = _parse(spec)
+    return [(name, _coerce_options(name, raw)) for name, raw in parts] if typed else parts
+
+
+def format_pe_spec(parts: Union[PESpec, Sequence[Tuple[str, Mapping[str, Any]]]]) -> str:
+    """The canonical spec string of ``parts`` (the output of `parse_pe_spec`, or any spec): the inverse of
+    the parser, ``parse_pe_spec(format_pe_spec(p), typed=True) == parse_pe_spec(p, typed=True)``.
+
+    Options are coerced to their types, then written in the constructor's order: ``true`` /
+    ``false``, ``none``, floats as Python writes them (``0.1``, ``1e-05``), lists as ``0|2|4``.
+
+    Example:
+        >>> format_pe_spec({'name': 'rope_axial', 'theta': 100, 'grid_mode': 'normalized'})
+        'rope_axial:theta=100.0,grid_mode=normalized'
+    """
+    is_parts = isinstance(parts, (list, tuple)) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], Mapping) for p in parts)
+    out = []
+    for name, options in (parts if is_parts else _parse(parts)):
+        typed = _coerce_options(name, options)
+        entry = _REGISTRY[name]
+        order = list(entry.options)
+        items = [f'{k}={format_value(typed[k], f"option {k!r} of encoding {name!r}", entry.hints.get(k, Any))}'
+                 for k in sorted(typed, key=order.index)]
+        out.append(f'{name}:{",".join(items)}' if items else name)
+    return '+'.join(out)
+
+
+def _parse(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
     if spec is None or spec == '':
         return [('none', {})]
     if isinstance(spec, Mapping):
@@ -114,7 +144,7 @@ def parse_pe_spec(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
             raise ValueError(f"a dict encoding spec needs a 'name' key, got keys {short_repr(sorted(spec))} "
                              '(argument pe)')
         name = spec.pop('name')
-        parsed = parse_pe_spec(name)
+        parsed = _parse(name)
         if len(parsed) > 1:
             if spec:
                 raise ValueError('options in a dict spec apply to one encoding; use a list of dicts to compose')
@@ -144,115 +174,19 @@ def parse_pe_spec(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
             out.append((name.strip(), opts))
         return out
     if isinstance(spec, Sequence):
-        return [item for s in spec for item in parse_pe_spec(s)]
+        return [item for s in spec for item in _parse(s)]
     raise TypeError(f'pe must be a str, dict or list of them, got {type(spec).__name__}')
 
 
-_TRUE = {'true', '1', 'yes', 'on'}
-_FALSE = {'false', '0', 'no', 'off'}
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Convert a (possibly string) option value to the annotated type, or raise naming the option."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if hint is Any or hint is inspect.Parameter.empty:
-        return value
-    if origin is Union:
-        if value is None or (isinstance(value, str) and value.lower() == 'none'):
-            if type(None) in args:
-                return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0] if len(errors) == 1 else f'{where}: {short_repr(value)} matches none of {hint}')
-    if origin is Literal:
-        for a in args:
-            if value == a or (isinstance(value, str) and str(a) == value):
-                return a
-        raise ValueError(f'{where}: {short_repr(value)} is not allowed; allowed values: '
-                         f'{", ".join(repr(a) for a in args)}')
-    if origin in (tuple, list, Sequence, typing.Sequence) or hint in (tuple, list):
-        elem = args[0] if args else Any
-        if isinstance(value, str):
-            items = _parse_list(value, where)
-        elif isinstance(value, (list, tuple)):
-            items = list(value)
-        else:
-            items = [value]
-        if len(items) > _MAX_LIST_ITEMS:
-            raise ValueError(f'{where}: a list holds at most {_MAX_LIST_ITEMS} items, got {len(items)}')
-        return tuple(_coerce(v, elem, where) for v in items)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
-        raise ValueError(f'{where}: expected true or false, got {short_repr(value)}')
-    if hint in (int, float):
-        if isinstance(value, bool):
-            raise ValueError(f'{where}: expected {hint.__name__}, got {short_repr(value)}')
-        try:
-            out = hint(value)
-        except (TypeError, ValueError, OverflowError):
-            raise ValueError(f'{where}: expected {hint.__name__}, got {short_repr(value)}') from None
-        if hint is int and isinstance(value, float) and value != out:
-            raise ValueError(f'{where}: expected int, got {short_repr(value)}')
-        if hint is float and math.isnan(out):
-            raise ValueError(f'{where}: expected a number, got {short_repr(value)}')
-        return out
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f'{where}: expected a string, got {short_repr(value)}')
-        return value
-    return value
-
-
-_MAX_LIST_ITEMS = 4096  # list options hold block indices: far beyond any depth
-_RANGE = re.compile(r'(\d{1,18})-(\d{1,18})')
-
-
-def _parse_list(text: str, where: str) -> List[str]:
-    """``'0-5'`` -> 0..5, ``'0|2|4'`` -> [0, 2, 4], ``'[1, 2]'`` -> [1, 2]; ranges and items mix.
-
-    A range is sized before it is expanded: an empty range (``'5-2'``) or more than
-    ``_MAX_LIST_ITEMS`` items in all is an error, so ``'0-1000000000'`` costs nothing.
-    """
-    text = text.strip().strip('[]()')
-    items: List[str] = []
-    for piece in filter(None, (p.strip() for p in text.replace(';', '|').replace(' ', '|').split('|'))):
-        for sub in filter(None, (s.strip() for s in piece.split(','))):
-            match = _RANGE.fullmatch(sub)
-            if match is None:
-                items.append(sub)
-                continue
-            lo, hi = int(match[1]), int(match[2])
-            if hi < lo:
-                raise ValueError(f'{where}: the range {short_repr(sub)} is empty (write it low-high, low <= high)')
-            if len(items) + hi - lo + 1 > _MAX_LIST_ITEMS:
-                raise ValueError(f'{where}: the range {short_repr(sub)} has {hi - lo + 1} items; a list holds '
-                                 f'at most {_MAX_LIST_ITEMS}')
-            items.extend(str(i) for i in range(lo, hi + 1))
-    return items
-
-
-def _build_one(name: str, raw: Dict[str, Any], ctx: PEContext) -> PositionalEncoding:
+def _coerce_options(name: str, raw: Mapping[str, Any]) -> Dict[str, Any]:
+    """The options of encoding ``name`` as its constructor takes them (`vispe.options.coerce`)."""
     entry = _lookup(name)
-    kwargs = {}
+    out = {}
     for key, value in raw.items():
         if key not in entry.options:
-            close = difflib.get_close_matches(key, entry.options.keys(), n=2, cutoff=0.5)
-            hint = f' Did you mean {", ".join(repr(c) for c in close)}?' if close else ''
-            valid = ', '.join(entry.options) or 'none'
-            raise ValueError(f'unknown option {short_repr(key)} for encoding {name!r}.{hint} '
-                             f'Valid options: {valid}.')
-        kwargs[key] = _coerce(value, entry.hints.get(key, Any), f'option {key!r} of encoding {name!r}')
-    return entry.cls(ctx, **kwargs)
+            raise unknown_option(key, entry.options, f'encoding {name!r}')
+        out[key] = coerce(value, entry.hints.get(key, Any), f'option {key!r} of encoding {name!r}')
+    return out
 
 
 def create_pe(spec: PESpec = 'none', ctx: Optional[PEContext] = None, *, device=None, dtype=None,
@@ -285,6 +219,6 @@ def create_pe(spec: PESpec = 'none', ctx: Optional[PEContext] = None, *, device=
         parts = [(parts[0][0], {**parts[0][1], **kwargs})]
 
     def build() -> PositionalEncoding:
-        encodings = [_build_one(name, raw, ctx) for name, raw in parts]
+        encodings = [_lookup(name).cls(ctx, **_coerce_options(name, raw)) for name, raw in parts]
         return encodings[0] if len(encodings) == 1 else ComposedPE(ctx, encodings)
     return build_with_factory_kwargs(build, device=device, dtype=dtype)

@@ -36,13 +36,14 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Literal, Optional, Tuple, Type
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import Config, EmptySection
+from ..schema import Config, EmptySection
 
 __all__ = ['Task', 'register_task', 'get_task', 'list_tasks']
 
@@ -138,8 +139,7 @@ def register_task(name: str) -> Callable[[Type[Task]], Type[Task]]:
 
 def list_tasks() -> list:
     """Registered tasks and the task modules of this package (imported on use)."""
-    from . import __path__ as package_path
-    modules = {m.name for m in pkgutil.iter_modules(package_path) if m.name != 'base'}
+    modules = {m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name != 'base'}
     return sorted(set(_TASKS) | modules)
 
 

@@ -14,7 +14,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import timm
 import torch
@@ -27,7 +27,7 @@ from torchvision.datasets.folder import find_classes
 
 import vispe
 
-from ..config import Config, ConfigError, option
+from ..schema import Config, ConfigError, option
 from ..data import ImageFolderDataset, SpatialShapes, split_dir
 from ..data.digits import write_digits
 from ..data.synthetic import SyntheticTask
@@ -38,7 +38,6 @@ __all__ = ['ClassificationTask', 'ModelConfig', 'DataConfig', 'AugConfig', 'Synt
 
 _logger = logging.getLogger(__name__)
 
-PESpecConfig = Union[str, Dict[str, Any], List[Any]]
 _OWNED_KWARGS = {'pe': 'model.pe', 'num_classes': 'model.num_classes', 'img_size': 'data.img_size',
                  'pretrained': 'model.pretrained', 'drop_rate': 'model.drop_rate',
                  'drop_path_rate': 'model.drop_path_rate', 'pretrained_cfg_overlay': 'model.pretrained_file'}
@@ -48,7 +47,7 @@ _OWNED_KWARGS = {'pe': 'model.pe', 'num_classes': 'model.num_classes', 'img_size
 class ModelConfig:
     """``model:`` section of the classification task."""
     name: str = option('vit_tiny', 'timm model name; vispe ViTs: vit_tiny / vit_small / vit_base / vit_large')
-    pe: PESpecConfig = option('learned', "vispe encoding spec: 'rope_mixed', 'irpe+learned', "
+    pe: vispe.registry.PESpec = option('learned', "vispe encoding spec: 'rope_mixed', 'irpe+learned', "
                                       "'rope_axial:theta=100' or a dict with a name key")
     pretrained: bool = option(False, "load timm's pretrained weights (downloads; offline: pretrained_file)")
     pretrained_file: Optional[str] = option(None, 'local timm checkpoint to fine-tune from (implies pretrained)')
@@ -148,11 +147,6 @@ class ClassificationTask(Task):
         for k in m.kwargs:
             if k in _OWNED_KWARGS:
                 raise ConfigError(f'model.kwargs.{k}: set {_OWNED_KWARGS[k]} instead')
-        try:
-            for name, _ in vispe.parse_pe_spec(m.pe):
-                vispe.pe_info(name)  # raises for an unknown encoding, naming the close ones
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f'model.pe: {e}') from None
         if d.prepare and d.kind != 'folder':
             raise ConfigError(f'data.prepare: writes an image folder, so it needs data.kind: folder (got {d.kind})')
         if d.kind == 'folder' and not d.root:

@@ -16,49 +16,28 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-import vispe
 from vispe_models.detection_data import DETR_SCALES, CocoDetection, CocoEvaluator, SyntheticShapes, collate_detection
 from vispe_models.detr import DETR, HungarianMatcher, SetCriterion, postprocess
 
-from ..config import Config, ConfigError, option
 from ..rng import seeded
+from ..schema import Config, ConfigError, constructor_kwargs, constructor_section, option
 from .base import Task, register_task
 
 __all__ = ['DetectionTask', 'ModelConfig', 'DataConfig', 'LossConfig', 'SyntheticDetectionConfig']
 
 _logger = logging.getLogger(__name__)
 
-PESpecConfig = Union[str, Dict[str, Any], List[Any]]
-
-
-@dataclass
-class ModelConfig:
-    """``model:`` section of the detection task (`models.detr.DETR` arguments)."""
-    backbone: str = option('resnet50', 'torchvision ResNet: resnet18 / 34 / 50 / 101 / 152')
-    pe: PESpecConfig = option('detr_sine', "vispe encoding of the encoder: 'detr_sine', 'irpe:on=k', "
-                                           "'detr_sine+irpe:on=k', 'rope_axial', ...")
-    cross_pe: Literal['auto', 'keys', 'additive', 'none'] = option(
-        'auto', 'positions in decoder cross-attention (see models/detr.py)')
-    num_classes: Optional[int] = option(None, 'largest category id + 1 (null: from the data; COCO 91)', min=1)
-    hidden_dim: int = option(256, 'transformer width', min=8)
-    num_heads: int = option(8, 'attention heads', min=1)
-    enc_layers: int = option(6, 'encoder layers', min=1)
-    dec_layers: int = option(6, 'decoder layers', min=1)
-    dim_feedforward: int = option(2048, 'FFN width', min=1)
-    dropout: float = option(0.1, 'transformer dropout', min=0, max=1)
-    num_queries: int = option(100, 'object queries', min=1)
-    aux_loss: bool = option(True, 'losses on every decoder layer')
-    backbone_weights: Optional[str] = option(None, 'torchvision ResNet state dict to start from (no download)')
-    backbone_norm: Optional[Literal['frozen', 'batch']] = option(
-        None, 'backbone BatchNorm: frozen (DETR, with weights) or batch (from scratch); null: by weights')
-    train_backbone: bool = option(True, 'train the backbone (with weights: layer2-4 only, as DETR)')
-    dilation: bool = option(False, 'DC5: dilated layer4')
+ModelConfig = constructor_section(
+    'ModelConfig', DETR, module=__name__,
+    num_classes=(Optional[int], option(None, 'largest category id + 1 (null: from the data; COCO 91)', min=1)),
+    hidden_dim=option(min=8), num_heads=option(min=1), enc_layers=option(min=1), dec_layers=option(min=1),
+    dim_feedforward=option(min=1), dropout=option(min=0, max=1), num_queries=option(min=1), grid_size=option(min=1))
 
 
 @dataclass
@@ -147,11 +126,6 @@ class DetectionTask(Task):
     @classmethod
     def check_config(cls, cfg: Config) -> None:
         m, d, loss = cfg.model, cfg.data, cfg.loss
-        try:
-            for name, _ in vispe.parse_pe_spec(m.pe):
-                vispe.pe_info(name)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f'model.pe: {e}') from None
         if m.hidden_dim % m.num_heads:
             raise ConfigError(f'model.hidden_dim: {m.hidden_dim} is not divisible by model.num_heads={m.num_heads}')
         if d.kind == 'coco' and not d.root:
@@ -176,25 +150,20 @@ class DetectionTask(Task):
         return 91  # COCO's largest category id + 1, as DETR
 
     def _model_kwargs(self) -> Dict[str, Any]:
-        m = self.cfg.model
-        return dict(num_classes=self._num_classes(), backbone=m.backbone, pe=m.pe, cross_pe=m.cross_pe,
-                    hidden_dim=m.hidden_dim, num_heads=m.num_heads, enc_layers=m.enc_layers, dec_layers=m.dec_layers,
-                    dim_feedforward=m.dim_feedforward, dropout=m.dropout, num_queries=m.num_queries,
-                    aux_loss=m.aux_loss, backbone_norm=m.backbone_norm, train_backbone=m.train_backbone,
-                    dilation=m.dilation)
+        return dict(constructor_kwargs(self.cfg.model), num_classes=self._num_classes())
 
-    def _create(self, kwargs: Dict[str, Any], weights: Optional[str] = None) -> nn.Module:
+    def _create(self, kwargs: Dict[str, Any]) -> nn.Module:
         try:
-            return DETR(backbone_weights=weights, **kwargs)
+            return DETR(**kwargs)
         except ValueError as e:
             raise ConfigError(f'model: {e}') from None
 
     def build_model(self) -> nn.Module:
-        return self._create(self._model_kwargs(), self.cfg.model.backbone_weights)
+        return self._create(self._model_kwargs())
 
     def model_spec(self, model: nn.Module) -> Dict[str, Any]:
         kwargs = self._model_kwargs()
-        kwargs.pop('dropout')  # training-only
+        del kwargs['dropout'], kwargs['backbone_weights']  # training-only: the checkpoint holds the weights
         if self.cfg.model.backbone_weights and kwargs['backbone_norm'] is None:
             kwargs['backbone_norm'] = 'frozen'  # the rebuilt model must have the same layers
         return dict(name='detr', kwargs=kwargs)

@@ -13,44 +13,28 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Literal, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-import vispe
 from vispe_models.nerf import NeRF
 from vispe_models.nerf_data import SceneData, load_blender, pixel_rays, synthetic_scene
 
-from ..config import Config, ConfigError, option
+from ..schema import Config, ConfigError, constructor_kwargs, constructor_section, option
 from .base import Task, register_task
 
 __all__ = ['NeRFTask', 'ModelConfig', 'DataConfig', 'SyntheticSceneConfig']
 
 _logger = logging.getLogger(__name__)
 
-PESpecConfig = Union[str, Dict[str, Any], List[Any]]
-
-
-@dataclass
-class ModelConfig:
-    """``model:`` section of the NeRF task (`models.nerf.NeRF` arguments; defaults are NeRF's)."""
-    pos_encoding: PESpecConfig = option('nerf_freq:levels=10', "vispe coordinate encoding of 3D positions: "
-                                        "'nerf_freq:levels=10', 'fourier_gaussian:scale=1', 'fourier_learnable', "
-                                        "'none'")
-    dir_encoding: PESpecConfig = option('nerf_freq:levels=4', 'vispe coordinate encoding of view directions')
-    depth: int = option(8, 'MLP layers', min=1)
-    width: int = option(256, 'MLP width', min=2)
-    skips: List[int] = option(factory=lambda: [4], help='layers after which the encoded position re-enters')
-    use_viewdirs: bool = option(True, 'colour depends on the view direction')
-    num_coarse: int = option(64, 'stratified samples per ray', min=2)
-    num_fine: int = option(128, 'importance samples per ray (0: coarse network only)', min=0)
-    perturb: bool = option(True, 'jitter the stratified samples in training')
-    raw_noise_std: float = option(0.0, 'noise on the raw density in training', min=0)
-    encoding_dim: int = option(128, 'output width of encodings whose width is free (fourier_learnable)', min=1)
-    chunk: int = option(65536, 'points per MLP call', min=1)
+# data.white_background sets the model's compositing too
+ModelConfig = constructor_section(
+    'ModelConfig', NeRF, module=__name__, exclude=('white_background',),
+    depth=option(min=1), width=option(min=2), num_coarse=option(min=2), num_fine=option(min=0),
+    raw_noise_std=option(min=0), encoding_dim=option(min=1), chunk=option(min=1))
 
 
 @dataclass
@@ -110,13 +94,7 @@ class NeRFTask(Task):
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
-        m, d = cfg.model, cfg.data
-        for key in ('pos_encoding', 'dir_encoding'):
-            try:
-                for name, _ in vispe.parse_pe_spec(getattr(m, key)):
-                    vispe.pe_info(name)
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f'model.{key}: {e}') from None
+        d = cfg.data
         if d.kind == 'blender' and not d.root:
             raise ConfigError('data.root: required when data.kind is blender (the folder with transforms_*.json)')
         if d.far <= d.near:
@@ -124,11 +102,7 @@ class NeRFTask(Task):
 
     # ------------------------------------------------------------------ model
     def _model_kwargs(self) -> Dict[str, Any]:
-        m = self.cfg.model
-        return dict(pos_encoding=m.pos_encoding, dir_encoding=m.dir_encoding, depth=m.depth, width=m.width,
-                    skips=list(m.skips), use_viewdirs=m.use_viewdirs, num_coarse=m.num_coarse, num_fine=m.num_fine,
-                    perturb=m.perturb, raw_noise_std=m.raw_noise_std,
-                    white_background=self.cfg.data.white_background, encoding_dim=m.encoding_dim, chunk=m.chunk)
+        return dict(constructor_kwargs(self.cfg.model), white_background=self.cfg.data.white_background)
 
     def _create(self, kwargs: Dict[str, Any]) -> nn.Module:
         try:

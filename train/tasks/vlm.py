@@ -12,7 +12,7 @@ questions at larger images (more visual tokens per cell).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, Literal, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,35 +23,20 @@ import vispe
 from vispe_models.vlm import VLM, ColourGridDataset, ColourGridTask
 from vispe import multimodal as mm
 
-from ..config import Config, ConfigError, option
+from ..schema import Config, ConfigError, constructor_kwargs, constructor_section, option
 from .base import Task, register_task
 
 __all__ = ['VLMTask', 'ModelConfig', 'DataConfig']
 
-PESpecConfig = Union[str, Dict[str, Any], List[Any]]
 Scheme = Literal['rope', 'mrope', 'mrope_interleave', 'mhrope', 'vrope', 'v2pe', 'videorope']
 
-
-@dataclass
-class ModelConfig:
-    """``model:`` section of the VLM task (`models.vlm.VLM` arguments)."""
-    scheme: Scheme = option('mrope', "the LM's multimodal position-id scheme")
-    scheme_options: Dict[str, Any] = option(factory=dict, help="options of the scheme, e.g. {spatial_reset: true} "
-                                                             "(mrope_interleave), {stride: 16} (v2pe)")
-    vision_pe: PESpecConfig = option('rope_axial', "the ViT's vispe encoding spec")
-    connector: Literal['mlp', 'resampler'] = option('mlp', 'MLP projector with spatial merge, or a resampler')
-    merge: int = option(2, 'MLP projector merge factor (2: 2x2 patches per LM token)', min=1)
-    num_queries: int = option(16, 'resampler queries (a square number for rotary resampler_pe)', min=1)
-    resampler_pe: PESpecConfig = option('sincos', 'vispe encoding on the resampler keys')
-    patch_size: int = option(4, 'ViT patch size', min=1)
-    vision_dim: int = option(64, 'ViT width', min=1)
-    vision_depth: int = option(2, 'ViT blocks', min=1)
-    vision_heads: int = option(2, 'ViT heads', min=1)
-    lm_dim: int = option(64, 'LM width', min=1)
-    lm_depth: int = option(2, 'LM decoder blocks', min=1)
-    lm_heads: int = option(4, 'LM query heads', min=1)
-    lm_kv_heads: Optional[int] = option(None, 'LM key/value heads (GQA; null: lm_heads)', min=1)
-    theta: float = option(10000.0, 'LM rotary base', min=1)
+# the vocabulary (and its special tokens) is the questions', the image size the data's
+ModelConfig = constructor_section(
+    'ModelConfig', VLM, module=__name__, exclude=('vocab_size', 'img_size', 'tokens'),
+    scheme=(Scheme, option('mrope', "the LM's multimodal position-id scheme")),
+    merge=option(min=1), num_queries=option(min=1), patch_size=option(min=1), vision_dim=option(min=1),
+    vision_depth=option(min=1), vision_heads=option(min=1), lm_dim=option(min=1), lm_depth=option(min=1),
+    lm_heads=option(min=1), lm_kv_heads=option(min=1), theta=option(min=1))
 
 
 @dataclass
@@ -86,14 +71,8 @@ class VLMTask(Task):
     @classmethod
     def check_config(cls, cfg: Config) -> None:
         m, d = cfg.model, cfg.data
-        for key in ('vision_pe', 'resampler_pe'):
-            try:
-                for name, _ in vispe.parse_pe_spec(getattr(m, key)):
-                    vispe.pe_info(name)
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f'model.{key}: {e}') from None
         try:
-            mm.get_scheme(m.scheme, **m.scheme_options)
+            mm.get_scheme(m.scheme, **(m.scheme_options or {}))
         except ValueError as e:
             raise ConfigError(f'model.scheme_options: {e}') from None
         if d.img_size % d.grid:
@@ -104,12 +83,7 @@ class VLMTask(Task):
 
     # ------------------------------------------------------------------ model
     def _kwargs(self) -> Dict[str, Any]:
-        m = self.cfg.model
-        return dict(img_size=self.cfg.data.img_size, patch_size=m.patch_size, vision_pe=m.vision_pe,
-                    vision_dim=m.vision_dim, vision_depth=m.vision_depth, vision_heads=m.vision_heads,
-                    connector=m.connector, merge=m.merge, num_queries=m.num_queries, resampler_pe=m.resampler_pe,
-                    lm_dim=m.lm_dim, lm_depth=m.lm_depth, lm_heads=m.lm_heads, lm_kv_heads=m.lm_kv_heads,
-                    scheme=m.scheme, scheme_options=dict(m.scheme_options), theta=m.theta)
+        return dict(constructor_kwargs(self.cfg.model), img_size=self.cfg.data.img_size)
 
     def _create(self, kwargs: Dict[str, Any]) -> VLM:
         try:

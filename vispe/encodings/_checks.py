@@ -9,15 +9,9 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ['short_repr', 'check_positive', 'check_nonnegative', 'check_min_int']
+from ..options import short_repr
 
-_MAX_REPR = 80
-
-
-def short_repr(value: Any, limit: int = _MAX_REPR) -> str:
-    """``repr(value)``, cut to ``limit`` characters with ``'...'``, so a huge input is never echoed whole."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + '...'
+__all__ = ['check_positive', 'check_nonnegative', 'check_min_int']
 
 
 def _where(encoding: str, option: str) -> str:
