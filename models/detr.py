@@ -19,7 +19,8 @@ Where positions enter (this is what vispe makes swappable, ``pe=``):
   keys only (``R(0) = I`` on the queries), a relative bias sees the offsets ``0 - p_j``;
   ``'none'`` gives cross-attention no positions (DETR's ablation). ``'auto'`` (default) is
   ``'keys'`` unless the encoding has a logit bias (iRPE, ...), which needs query positions to be
-  meaningful and so stays in encoder self-attention, as in the iRPE paper's DETR experiments.
+  meaningful (``capabilities.needs_query_positions``) and so stays in encoder self-attention, as in
+  the iRPE paper's DETR experiments.
 * the padding mask reaches every encoding through ``Positions.key_padding_mask`` and masks the
   padded keys of every attention (as a boolean ``attn_mask``).
 
@@ -49,7 +50,6 @@ __all__ = ['DETR', 'Backbone', 'Transformer', 'HungarianMatcher', 'SetCriterion'
 _logger = logging.getLogger(__name__)
 
 _RESNET_CHANNELS = {'resnet18': 512, 'resnet34': 512, 'resnet50': 2048, 'resnet101': 2048, 'resnet152': 2048}
-_ATTENTION_HOOKS = frozenset({'qk', 'bias', 'value', 'output', 'weights_value'})
 CrossPE = Literal['auto', 'keys', 'additive', 'none']
 
 
@@ -313,17 +313,17 @@ class DETR(nn.Module):
         self.class_embed = nn.Linear(hidden_dim, num_classes + 1)
         self.bbox_embed = MLP(hidden_dim, hidden_dim, 4, 3)
 
-        probe = vispe.create_pe(pe, dim=hidden_dim, num_heads=num_heads, depth=enc_layers, grid_size=grid_size)
-        hooks = probe.hooks
+        # what the encoding does decides how many attention layers it serves; read from a build on the
+        # meta device (nothing allocated or initialised), then the encoding is built once for real
+        ctx = vispe.PEContext(dim=hidden_dim, num_heads=num_heads, depth=enc_layers, grid_size=grid_size)
+        caps = vispe.create_pe(pe, ctx, device='meta').capabilities
         if cross_pe == 'auto':
-            cross_pe = 'additive' if hooks & {'bias', 'weights_value'} else 'keys'
+            cross_pe = 'additive' if caps.needs_query_positions else 'keys'
         self.cross_pe = cross_pe
-        self.additive = 'embed' in hooks
-        self.attention_side = bool(hooks & _ATTENTION_HOOKS)
-        self.cross_hooks = cross_pe == 'keys' and self.attention_side
+        self.cross_hooks = cross_pe == 'keys' and caps.in_attention
         # cross-attention layers get their own per-layer parameters after the encoder's
-        self.pe = probe if not self.cross_hooks else vispe.create_pe(
-            pe, dim=hidden_dim, num_heads=num_heads, depth=enc_layers + dec_layers, grid_size=grid_size)
+        depth = enc_layers + dec_layers if self.cross_hooks else enc_layers
+        self.pe = vispe.create_pe(pe, ctx, depth=depth)
 
     # -- optimisation helpers ------------------------------------------------------------------
     def no_weight_decay(self) -> set:
@@ -380,14 +380,14 @@ class DETR(nn.Module):
 
     def encode(self, src: torch.Tensor, pos: vispe.Positions) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The encoder: memory ``(B, N, C)`` and the additive embedding it used (None if none)."""
-        pos_embed = self.pe.embedding(pos).to(src.dtype) if self.additive else None
-        pe = self.pe if self.attention_side else None
+        caps = self.pe.capabilities
+        pos_embed = self.pe.embedding(pos).to(src.dtype) if caps.additive else None
+        pe = self.pe if caps.in_attention else None
         state = self.pe.prepare(pos) if pe is not None else None
         attn_mask = self.attention_mask(pos)
-        between = 'between_blocks' in self.pe.hooks
         for i, layer in enumerate(self.transformer.encoder.layers):
             src = layer(src, pos_embed, pe, state, i, attn_mask)
-            if between:
+            if caps.between_blocks:
                 src = self.pe.between_blocks(src, pos, i)
         return src, pos_embed
 

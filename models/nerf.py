@@ -2,10 +2,11 @@
 
 `coordinate_encoder` turns any vispe spec into a map ``(..., D) -> (..., out_dim)``:
 
-* ``'none'``: the raw coordinates (the no-encoding baseline of the Fourier-features paper);
-* coordinate encodings (``'nerf_freq'``, ``'fourier_gaussian'``): their ``encode`` / ``out_dim``;
-* any other additive encoding that accepts point sets (``'fourier_learnable'``, ...): its
-  ``embedding(vispe.points(coords))`` of width ``encoding_dim``.
+* ``'none'`` (no hook at all): the raw coordinates (the no-encoding baseline of the
+  Fourier-features paper);
+* any additive encoding: its ``encode(coords)`` / ``out_dim``: the coordinate encodings
+  (``'nerf_freq'``, ``'fourier_gaussian'``) without a projection to a token width, the others
+  (``'fourier_learnable'``, ...) of width ``encoding_dim``.
 
 `NeRF` follows NeRF's released code (nerf-pytorch): an 8 x 256 ReLU MLP with the encoded position
 re-injected after layer 4, density from the position only, colour from a 128-wide branch that
@@ -31,41 +32,36 @@ __all__ = ['coordinate_encoder', 'CoordinateEncoder', 'NeRFField', 'NeRF', 'Coor
 
 
 class CoordinateEncoder(nn.Module):
-    """A vispe encoding used as a coordinate map ``(..., D) -> (..., out_dim)`` (see `coordinate_encoder`)."""
+    """A vispe encoding used as a coordinate map ``(..., D) -> (..., out_dim)`` (see `coordinate_encoder`).
+
+    The encoding is built for a host of ``D = input_dim`` coordinate axes that uses it as a map
+    (``PEContext(num_axes=input_dim, coordinate_map=True)``, so nothing is projected to a token
+    width): an additive encoding maps by its ``encode`` / ``out_dim``, one without any hook
+    (``'none'``) is the identity, and one that acts elsewhere (in attention, between blocks) is
+    refused.
+    """
 
     def __init__(self, spec: vispe.registry.PESpec, input_dim: int, encoding_dim: int = 128) -> None:
         super().__init__()
-        parsed = vispe.parse_pe_spec(spec)
-        if len(parsed) != 1:
+        if len(vispe.parse_pe_spec(spec)) != 1:
             raise ValueError(f'a coordinate encoding is one encoding, got the composition {spec!r}')
-        name = parsed[0][0]
         self.spec = spec
         self.input_dim = input_dim
-        if name == 'none':
+        pe = vispe.create_pe(spec, vispe.PEContext(dim=encoding_dim, num_axes=input_dim, coordinate_map=True))
+        caps = pe.capabilities
+        if not caps.hooks:  # no position at all: the raw coordinates
             self.pe = None
             self.out_dim = input_dim
             return
-        options = vispe.pe_info(name)['options']
-        # coordinate encodings take the input width and skip the token projection; others the axes
-        extra = {k: v for k, v in (('input_dim', input_dim), ('project', False), ('num_axes', input_dim))
-                 if k in options}
-        self.pe = vispe.create_pe(spec, dim=encoding_dim, **extra)
-        if hasattr(self.pe, 'encode'):
-            self.out_dim = self.pe.out_dim
-        elif 'embed' in self.pe.hooks:
-            self.out_dim = encoding_dim
-        else:
-            raise ValueError(f'encoding {name!r} does not map coordinates to features (it acts on attention); '
-                             f'use a coordinate or additive encoding, e.g. nerf_freq, fourier_gaussian, '
-                             f'fourier_learnable')
+        if not caps.additive:
+            raise ValueError(f'encoding {pe.name!r} does not map coordinates to features (it acts on '
+                             f'{", ".join(sorted(caps.hooks))}); use a coordinate or additive encoding, e.g. '
+                             f'nerf_freq, fourier_gaussian, fourier_learnable')
+        self.pe = pe
+        self.out_dim = pe.out_dim
 
     def forward(self, coords: torch.Tensor) -> torch.Tensor:
-        if self.pe is None:
-            return coords
-        if hasattr(self.pe, 'encode'):
-            return self.pe.encode(coords)
-        flat = coords.reshape(-1, coords.shape[-1])
-        return self.pe.embedding(vispe.points(flat)).reshape(*coords.shape[:-1], -1)
+        return coords if self.pe is None else self.pe.encode(coords)
 
 
 def coordinate_encoder(spec: vispe.registry.PESpec, input_dim: int, encoding_dim: int = 128) -> CoordinateEncoder:

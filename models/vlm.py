@@ -93,7 +93,7 @@ class Resampler(nn.Module):
         self.pe = vispe.create_pe(pe, dim=lm_dim, num_heads=num_heads, depth=1, grid_size=tuple(grid_size))
         g = math.isqrt(num_queries)
         self.query_grid = (g, g) if g * g == num_queries else (1, num_queries)
-        if self.pe.hooks & {'qk', 'bias', 'value', 'output'} and g * g != num_queries:
+        if self.pe.capabilities.in_attention and g * g != num_queries:
             raise ValueError(f'encoding {pe!r} acts inside attention, so the queries need positions on a square '
                              f'lattice: num_queries must be a square number, got {num_queries}')
 
@@ -111,11 +111,12 @@ class Resampler(nn.Module):
         B, N, _ = x.shape
         x = self.norm_kv(self.kv_in(x))
         pos_k = vispe.grid(*grid, device=x.device)
-        key_in = x + self.pe.embedding(pos_k).to(x.dtype) if 'embed' in self.pe.hooks else x
-        q = self.q(self.norm_q(self.queries)).expand(B, -1, -1)
+        key_in = x + self.pe.embedding(pos_k).to(x.dtype) if self.pe.capabilities.additive else x
+        queries = self.norm_q(self.queries).expand(B, -1, -1)
         state = self.pe.prepare(self.query_positions(grid, x.device), pos_k)
-        o = vispe.pe_attention(self._heads(q), self._heads(self.k(key_in)), self._heads(self.v(x)), self.pe, state,
-                               layer=0)
+        # the normed queries are the attention's input tokens, for encodings that read them (PaPE)
+        o = vispe.pe_attention(self._heads(self.q(queries)), self._heads(self.k(key_in)), self._heads(self.v(x)),
+                               self.pe, state, layer=0, x=queries)
         return self.proj(o.transpose(1, 2).reshape(B, -1, self.num_heads * self.head_dim))
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -369,7 +370,6 @@ class ColourGridTask:
         labels = self.colour0 + colours[torch.arange(batch_size), r, c]
         fill = torch.randint(self.max_filler + 1, (batch_size,), generator=g)
         t = self.tokens
-        L = self.prompt_length(visual_tokens)
         tail = torch.tensor([t.vision_start] + [t.image] * visual_tokens + [t.vision_end, self.question]
                             ).expand(batch_size, -1)
         body = torch.cat([tail, (self.row0 + r)[:, None], (self.col0 + c)[:, None]], 1)

@@ -113,11 +113,11 @@ def test_eval_cache_equals_recomputation_and_tracks_parameters():
         s2 = pe.prepare(vispe.grid(4, 4))
         assert s2 is s1  # cached
         fresh = pe._prepare(pos, None)
-        torch.testing.assert_close(s1[0], fresh[0])
+        torch.testing.assert_close(s1.q, fresh.q)  # the rotations of the queries
         pe.freqs.mul_(2)  # in-place parameter change invalidates the cache
         s3 = pe.prepare(pos)
         assert s3 is not s1
-        torch.testing.assert_close(s3[0], pe._prepare(pos, None)[0])
+        torch.testing.assert_close(s3.q, pe._prepare(pos, None).q)
         assert pe.prepare(vispe.grid(5, 4)) is not s3
     pe.train()
     assert pe.prepare(pos) is not pe.prepare(pos)  # no cache in training

@@ -21,7 +21,7 @@ def test_mlp_projector_merges_each_2x2_window_into_one_token():
     assert changed[0].tolist() == [False, True, False, False, False, False]
 
 
-@pytest.mark.parametrize('pe', ['sincos', 'rope_axial'])
+@pytest.mark.parametrize('pe', ['sincos', 'rope_axial', 'pape', 'irpe:on=v,init_std=1'])
 def test_resampler_keys_carry_position(pe):
     torch.manual_seed(0)
     x = torch.randn(1, 16, 8)
@@ -48,9 +48,11 @@ def test_resampler_additive_encoding_reaches_keys_not_values():
     assert torch.allclose(out, expected, atol=1e-5)
 
 
-def test_resampler_with_a_rotary_encoding_needs_a_square_query_lattice():
+@pytest.mark.parametrize('pe', ['rope_axial', 'irpe:on=v', 'pape'])
+def test_resampler_with_an_attention_encoding_needs_a_square_query_lattice(pe):
     with pytest.raises(ValueError, match='square number'):
-        Resampler(8, 16, num_queries=6, num_heads=2, pe='rope_axial', grid_size=(4, 4))
+        Resampler(8, 16, num_queries=6, num_heads=2, pe=pe, grid_size=(4, 4))
+    Resampler(8, 16, num_queries=6, num_heads=2, pe='sincos', grid_size=(4, 4))  # keys only: any number
 
 
 @pytest.mark.parametrize('scheme', list(mm.SCHEMES))

@@ -22,7 +22,8 @@ _WHERE = {
 
 
 def _acts_on(pe: PositionalEncoding) -> str:
-    return ', '.join(_WHERE[h] for h in _WHERE if h in pe.hooks) or '-'
+    hooks = pe.capabilities.hooks
+    return ', '.join(_WHERE[h] for h in _WHERE if h in hooks) or '-'
 
 
 def _standalone(name: str) -> PositionalEncoding:
@@ -48,7 +49,7 @@ def encoding_rows(model: str = 'vit_small') -> List[Dict[str, str]]:
         rows.append(dict(
             name=name, family=info['family'], acts_on=_acts_on(pe),
             shift_invariant='n/a' if inv is None else ('yes' if inv else 'no'),
-            larger_input=cls.larger_input, flash='yes' if pe.flash_eligible else 'no',
+            larger_input=cls.larger_input, flash='yes' if pe.capabilities.flash_eligible else 'no',
             params=params, paper=cls.paper))
     return rows
 

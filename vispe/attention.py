@@ -1,13 +1,15 @@
 """PE-aware attention: timm's `Attention` parameters, the encoding hooks, and one SDPA dispatch.
 
 `pe_attention` is the shared core that any host (this ViT, DETR, a resampler) calls after its own
-projections; `PEAttention` is timm's self-attention module with it inside. The dispatch keeps the
-fastest kernel each encoding allows:
+projections; `PEAttention` is timm's self-attention module with it inside. The dispatch reads the
+encoding's declared `Capabilities` once per call and keeps the fastest kernel they allow:
 
-* no bias and no value-side weights term: plain SDPA (flash / memory-efficient eligible);
+* no bias and no weights term (``flash_eligible``): plain SDPA (flash / memory-efficient eligible);
 * an additive bias: SDPA with a float ``attn_mask`` (on CPU, a bias that needs a gradient takes
   the explicit path, which is faster there than SDPA's math fallback);
-* an encoding that needs the attention weights (``weights_value``): explicit softmax attention.
+* an encoding that needs the attention weights (``needs_weights``): explicit softmax attention.
+
+The attention's input tokens reach the q/k map only of an encoding that declares ``needs_tokens``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any, Optional, Type
 
 import torch
 import torch.nn.functional as F
+from timm.layers import use_fused_attn
 from torch import nn
 
 from .encodings.base import PositionalEncoding
@@ -72,7 +75,8 @@ def pe_attention(
         pe: the encoding (or composition); None for plain attention.
         state: ``pe.prepare(...)``'s result for this forward.
         layer: index of this attention layer (per-layer parameters).
-        x: the attention's normed input tokens, for encodings with ``needs_tokens``.
+        x: the attention's normed input tokens; handed to the q/k map only of an encoding that declares
+            ``needs_tokens`` (required for it).
         attn_mask: bool (True = attend) or additive float mask, broadcastable to ``(B, H, Nq, Nk)``.
         dropout_p: attention dropout (pass 0 in eval).
         scale: logit scale, default ``hd ** -0.5`` of the *original* head dim.
@@ -85,23 +89,26 @@ def pe_attention(
     if pos_q is not None:
         _check_token_counts(q, k, pos_q, pos_k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    caps = pe.capabilities if pe is not None else None
     bias = None
-    weights_term = False
-    if pe is not None:
-        hooks = pe.hooks
-        if 'qk' in hooks:
+    if caps is not None:
+        if 'qk' in caps.hooks:
+            if caps.needs_tokens and x is None:
+                raise ValueError(f'encoding {pe.name!r} reads the attention input tokens (needs_tokens): pass x= '
+                                 f'to pe_attention')
             q_in = q
-            q, k = pe.qk(q, k, state, layer, x=x)
+            q, k = pe.qk(q, k, state, layer, x=x if caps.needs_tokens else None)
             if (v.requires_grad and torch.is_grad_enabled() and q is not q_in and v._base is not None
                     and v._base is q_in._base):
-                # v is a view of the fused qkv projection: saved for backward next to the new rotated
-                # q and k, it would keep the whole projection alive; its own copy lets that go
+                # v is a view of the fused projection q came from: once a q/k map has made new q and k,
+                # v saved for backward can be all that keeps the whole projection alive (unless the map
+                # saved the old q or k itself); a copy of v lets the projection go
                 v = v.clone()
-        if 'value' in hooks:
+        if 'value' in caps.hooks:
             v = pe.value(v, state, layer)
-        if 'bias' in hooks:
+        if 'bias' in caps.hooks:
             bias = pe.bias(q, k, state, layer)
-        weights_term = 'weights_value' in hooks
+    weights_term = caps is not None and caps.needs_weights
     mask = merge_masks(attn_mask, bias, q.dtype)
     if is_causal and mask is not None:
         raise ValueError('is_causal cannot be combined with attn_mask or a bias encoding')
@@ -126,7 +133,7 @@ def pe_attention(
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                            scale=scale)
-    if pe is not None and 'output' in pe.hooks:
+    if caps is not None and 'output' in caps.hooks:
         o = pe.output(o, state, layer)
     return o
 
@@ -135,7 +142,9 @@ class PEAttention(nn.Module):
     """timm's multi-head self-attention with positional-encoding hooks.
 
     Parameter names (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``) equal timm's
-    `timm.layers.Attention`, so timm ViT checkpoints load unchanged.
+    `timm.layers.Attention`, so timm ViT checkpoints load unchanged. As there, ``fused_attn`` is
+    timm's `use_fused_attn()` at construction (``TIMM_FUSED_ATTN=0``, `timm.layers.set_fused_attn`,
+    exportable mode): False takes the explicit softmax path.
 
     Args:
         dim: token width.
@@ -184,7 +193,7 @@ class PEAttention(nn.Module):
         self.attn_dim = num_heads * head_dim
         self.scale = head_dim ** -0.5
         self.layer_index = layer_index
-        self.fused_attn = True  # as timm: False selects the explicit softmax path (reference / debugging)
+        self.fused_attn = use_fused_attn()  # as timm's Attention: False selects the explicit softmax path
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()

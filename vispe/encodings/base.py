@@ -1,8 +1,9 @@
 """The encoding contract: one base class, a few hooks, composition.
 
-An encoding answers *how position enters the network*. It declares where it acts by overriding
-hooks; the host (the ViT, DETR, a user's model) calls every hook through the same interface and
-the attention layer keeps its fused path for encodings that only touch q and k.
+An encoding answers *how position enters the network*. It acts by overriding hooks and declares
+once what it does (`Capabilities`); the host (the ViT, DETR, a user's model) asks those names and
+calls every hook through the same interface, and the attention layer keeps its fused path for
+encodings that only touch q and k.
 
 Hook shapes: ``x`` tokens ``(B, N, C)`` (prefix tokens first); ``q, k, v`` ``(B, H, N, hd)``;
 ``bias`` returns an additive logit term ``(B | 1, H | 1, Nq, Nk)`` already in logit units (added
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from .._tracing import is_tracing
+from ..options import check_arguments
 from ..positions import Positions
 
 __all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'Capabilities', 'HOOKS', 'ATTENTION_HOOKS',
@@ -26,6 +28,7 @@ __all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'Capabilities', 'HOO
 
 HOOKS = ('embed', 'between_blocks', 'qk', 'bias', 'value', 'output', 'weights_value')
 ATTENTION_HOOKS = frozenset({'qk', 'bias', 'value', 'output', 'weights_value'})
+_PAIR_TERMS = frozenset({'bias', 'weights_value'})  # a term per query-key pair: no mask-free SDPA
 
 
 @dataclass(frozen=True)
@@ -38,26 +41,31 @@ class Capabilities:
         additive: adds an embedding to the tokens (``embed`` / ``embedding``).
         between_blocks: acts on the tokens after each block.
         in_attention: acts inside attention (any of q/k maps, bias, value, output, weights terms).
-        needs_query_positions: relates query to key positions, so queries need positions of their
-            own (a cross-attention host must supply ``pos_q``).
+        needs_query_positions: adds a term of its own per query-key pair (a logit bias, a weights
+            term), a function of their offset that means nothing for queries without positions: a
+            cross-attention host must give the queries real positions (DETR keeps such an encoding to
+            encoder self-attention). Maps of q, k, v and the output take queries placed at the origin
+            (a rotation there is the identity).
         needs_tokens: ``qk`` reads the attention's normed input tokens ``x``.
         needs_weights: adds a term computed from the attention weights (explicit softmax path only).
         changes_head_dim: ``qk`` returns wider q/k (and ``value`` pads v to the same width).
         requires: `Positions` fields beyond coordinates that it reads (e.g. ``'cameras'``).
+        flash_kernels: the flash / memory-efficient kernels take what the encoding makes of q, k and v
+            (an encoding says False for a head width they do not take).
         flash_eligible: attention can stay on SDPA without a mask (flash / memory-efficient kernels):
-            never with a bias or a weights term; an encoding may say False for other reasons (a head
-            width the kernels do not take).
+            ``flash_kernels`` and neither a bias nor a weights term.
     """
     hooks: FrozenSet[str]
     needs_tokens: bool = False
     changes_head_dim: bool = False
     requires: FrozenSet[str] = frozenset()
-    flash_eligible: bool = True
+    flash_kernels: bool = True
     additive: bool = field(init=False)
     between_blocks: bool = field(init=False)
     in_attention: bool = field(init=False)
     needs_query_positions: bool = field(init=False)
     needs_weights: bool = field(init=False)
+    flash_eligible: bool = field(init=False)
 
     def __post_init__(self) -> None:
         hooks = frozenset(self.hooks)
@@ -66,10 +74,9 @@ class Capabilities:
             raise ValueError(f'unknown hooks {sorted(unknown)}; hooks are {HOOKS}')
         derived = dict(
             hooks=hooks, additive='embed' in hooks, between_blocks='between_blocks' in hooks,
-            in_attention=bool(hooks & ATTENTION_HOOKS), needs_query_positions=bool(hooks & ATTENTION_HOOKS),
+            in_attention=bool(hooks & ATTENTION_HOOKS), needs_query_positions=bool(hooks & _PAIR_TERMS),
             needs_weights='weights_value' in hooks,
-            flash_eligible=bool(self.flash_eligible) and not hooks & {'bias', 'weights_value'},
-            requires=frozenset(self.requires))
+            flash_eligible=bool(self.flash_kernels) and not hooks & _PAIR_TERMS, requires=frozenset(self.requires))
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
@@ -77,7 +84,7 @@ class Capabilities:
         """The capabilities of two encodings acting together."""
         return Capabilities(self.hooks | other.hooks, self.needs_tokens or other.needs_tokens,
                             self.changes_head_dim or other.changes_head_dim, self.requires | other.requires,
-                            self.flash_eligible and other.flash_eligible)
+                            self.flash_kernels and other.flash_kernels)
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,9 @@ class PositionalEncoding(nn.Module):
     name: ClassVar[str] = ''
 
     def __new__(cls, *args: Any, **kwargs: Any) -> 'PositionalEncoding':
+        # options are checked against the constructor's typed signature (signature cached per class),
+        # so `IRPE(ctx, method='x')` fails as `create_pe('irpe:method=x')` does, before any work
+        check_arguments(cls.__init__, args[1:], kwargs, f'encoding {cls.name or cls.__name__!r}', skip=2)
         self = super().__new__(cls)
         # the constructor's arguments, from which `reset_parameters` builds a fresh twin
         object.__setattr__(self, '_init_args', (args, kwargs))
@@ -187,8 +197,8 @@ class PositionalEncoding(nn.Module):
 
     def _declare_capabilities(self) -> Capabilities:
         """The hooks this class overrides and its class-level declarations. An encoding whose options
-        switch a part off (or rule out the flash kernels) overrides this, e.g. with
-        ``dataclasses.replace(super()._declare_capabilities(), hooks=...)``."""
+        switch a part off (or make q, k, v the flash kernels do not take) overrides this, e.g. with
+        ``dataclasses.replace(super()._declare_capabilities(), hooks=...)`` (``flash_kernels=False``)."""
         implemented = frozenset(h for h in HOOKS if getattr(type(self), h) is not getattr(PositionalEncoding, h))
         return Capabilities(implemented, needs_tokens=self.needs_tokens, changes_head_dim=self.changes_head_dim,
                             requires=self.requires)
@@ -371,7 +381,7 @@ class ComposedPE(PositionalEncoding):
         self.name = '+'.join(e.name for e in encodings)
         # the execution order of the q/k and value maps (output maps run it backwards); the module
         # list keeps the spec's order, which names the parameters
-        self._order = sorted(range(len(encodings)), key=lambda i: encodings[i].changes_head_dim)
+        self._order = sorted(range(len(encodings)), key=lambda i: encodings[i].capabilities.changes_head_dim)
 
     def _declare_capabilities(self) -> Capabilities:
         caps = Capabilities(frozenset())
@@ -408,7 +418,7 @@ class ComposedPE(PositionalEncoding):
             e.set_grid_size(grid_size)
 
     def embedding(self, pos: Positions) -> torch.Tensor:
-        parts = [e.embedding(pos) for e in self.encodings if 'embed' in e.hooks]
+        parts = [e.embedding(pos) for e in self.encodings if e.capabilities.additive]
         if not parts:
             raise NotImplementedError(f'{self.name} has no additive encoding')
         return sum(parts[1:], parts[0])
@@ -450,5 +460,5 @@ class ComposedPE(PositionalEncoding):
 
     def weights_value(self, attn, state, layer):
         terms = [e.weights_value(attn, s, layer) for e, s in zip(self.encodings, state)
-                 if 'weights_value' in e.hooks]
+                 if e.capabilities.needs_weights]
         return sum(terms[1:], terms[0])

@@ -9,8 +9,8 @@ attention is a lookup, never an ``(N, N, hd)`` tensor for the logit terms.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, FrozenSet, Literal, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Dict, Literal, Optional, Tuple
 
 import torch
 from timm.layers import trunc_normal_
@@ -20,7 +20,7 @@ from .._tracing import is_tracing
 from ..positions import Positions
 from ..registry import register_pe
 from ._checks import check_nonnegative
-from .base import PEContext, PositionalEncoding
+from .base import Capabilities, PEContext, PositionalEncoding
 
 __all__ = ['IRPE', 'piecewise_index', 'irpe_bucket_ids', 'irpe_num_buckets', 'IRPEMethod']
 
@@ -231,16 +231,13 @@ class IRPE(PositionalEncoding):
                     trunc_normal_(table, std=init_std)
         self._grid_cache: Dict[tuple, torch.Tensor] = {}
 
-    @property
-    def hooks(self) -> FrozenSet[str]:
-        # drop the hooks of the parts that are off, so SDPA stays where it can (the base property is
-        # called directly: torch.compile reads `super().hooks` as the property object itself)
-        hooks = PositionalEncoding.hooks.fget(self)
-        if self.table_v is None:
-            hooks = hooks - {'weights_value'}
-        if self.table_k is None and self.table_q is None:
-            hooks = hooks - {'bias'}
-        return hooks
+    def _declare_capabilities(self) -> Capabilities:
+        # the parts that are off run no hook, so SDPA stays where it can: without a V table no weights
+        # term (no explicit path), without K / Q tables no bias (no mask)
+        caps = super()._declare_capabilities()
+        off = ({'weights_value'} if self.table_v is None else set()) | (
+            {'bias'} if self.table_k is None and self.table_q is None else set())
+        return replace(caps, hooks=caps.hooks - off)
 
     # ------------------------------------------------------------------ buckets
     def bucket_ids(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> torch.Tensor:

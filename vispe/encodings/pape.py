@@ -13,26 +13,23 @@ bf16 attention the folded bias is only as precise as bf16.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Literal, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._dtypes import at_least_float32
+from ..options import short_repr
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
-from ._checks import check_min_int, short_repr
-from .base import PEContext, PositionalEncoding, resolve_num_axes
+from ._checks import check_min_int
+from .base import Capabilities, PEContext, PositionalEncoding, resolve_num_axes
 
 __all__ = ['PaPE', 'PaPERI', 'pape_coordinates']
 
 BiasScale = Literal['logit', 'qk']
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    """At least float32: the expanded quadratic terms cancel, so they are never built in half precision."""
-    return t if t.dtype == torch.float64 else t.float()
 
 
 def pape_coordinates(pos: Positions, start: float = 1.0, grid_mode: GridMode = 'index') -> torch.Tensor:
@@ -44,9 +41,9 @@ def pape_coordinates(pos: Positions, start: float = 1.0, grid_mode: GridMode = '
     """
     if pos.grid is not None:
         coords = grid_coordinates(pos, grid_mode)
-        coords = _f32(coords.flip(-1) if pos.ndim == 2 else coords) + start
+        coords = at_least_float32(coords.flip(-1) if pos.ndim == 2 else coords) + start
     else:
-        coords = _f32(pos.coords)
+        coords = at_least_float32(pos.coords)
     if pos.num_prefix:
         coords = torch.cat([coords.new_zeros(*coords.shape[:-2], pos.num_prefix, coords.shape[-1]), coords], -2)
     return coords
@@ -93,11 +90,11 @@ class _Parabolic(PositionalEncoding):
         self.num_pad = -total % pad_to_multiple
         self.attn_scale = ctx.head_dim ** -0.5
 
-    @property
-    def flash_eligible(self) -> bool:
+    def _declare_capabilities(self) -> Capabilities:
         # q, k and v share the padded width; CUDA's flash kernels take head dims up to 256 (checked
         # on an H200 with benchmarks/cuda_check.py)
-        return self.ctx.head_dim + self.num_extra + self.num_pad <= 256
+        caps = super()._declare_capabilities()
+        return replace(caps, flash_kernels=self.ctx.head_dim + self.num_extra + self.num_pad <= 256)
 
     def coordinates(self, pos_q: Positions, pos_k: Optional[Positions]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Query and key coordinates, both shifted by the mean key grid position.
@@ -227,10 +224,10 @@ class PaPE(_Parabolic):
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> _ParabolicState:
         L, H, P, D = self.ctx.depth, self.ctx.num_heads, self.parabolas, self.num_axes
         r_q, r_k = self.coordinates(pos_q, pos_k)
-        w = _f32(self.pos_proj).view(L, H, P, D)
+        w = at_least_float32(self.pos_proj).view(L, H, P, D)
         r_q, r_k = r_q.to(w.dtype), r_k.to(w.dtype)
         u_q = torch.einsum('lhpd,...nd->l...hnp', w, r_q)
-        w_b = _f32(self.ab_proj[:, H * P:]).view(L, H, P, -1)
+        w_b = at_least_float32(self.ab_proj[:, H * P:]).view(L, H, P, -1)
         w_beta = torch.einsum('lhpc,lhpd->lhdc', w_b, w).reshape(L, H * D, -1)
         i, j = self._pair_index.unbind(-1)
         w_pair = w[..., i] * w[..., j]
@@ -243,13 +240,13 @@ class PaPE(_Parabolic):
         x = self._token_input(x, self.name)
         B, N, _ = x.shape
         H, P, D = self.ctx.num_heads, self.parabolas, self.num_axes
-        a = F.softplus(_f32(F.linear(x, self.ab_proj[layer, :H * P].to(x.dtype))))
+        a = F.softplus(at_least_float32(F.linear(x, self.ab_proj[layer, :H * P].to(x.dtype))))
         a = a.view(B, N, H, P).transpose(1, 2)  # (B, H, N, P)
-        xf = _f32(x)
+        xf = at_least_float32(x)
         beta = F.linear(xf, state.w_beta[layer].to(xf.dtype)).view(B, N, H, D).transpose(1, 2)  # W^T b per head
         u, r = state.u_q[layer], state.r_q
         au = a * u
-        w = _f32(self.pos_proj[layer]).view(H, P, D)
+        w = at_least_float32(self.pos_proj[layer]).view(H, P, D)
         # bias_ij = -(r_i - r_j)^T A_i (r_i - r_j) + beta_i . (r_i - r_j),  A_i = W^T diag(a_i) W
         const = (beta * r).sum(-1, keepdim=True) - (au * u).sum(-1, keepdim=True)
         linear = 2 * (au @ w) - beta  # coefficient of r_j
@@ -307,8 +304,8 @@ class PaPERI(_Parabolic):
 
     def qk(self, q, k, state, layer, x=None):
         x = self._token_input(x, self.name)
-        a = F.softplus(_f32(F.linear(x, self.a_proj[layer].to(x.dtype))))  # (B, N, H)
-        a = (a * _f32(self.position_scales[layer]).square()).transpose(1, 2).unsqueeze(-1)  # a_h s_h^2
+        a = F.softplus(at_least_float32(F.linear(x, self.a_proj[layer].to(x.dtype))))  # (B, N, H)
+        a = (a * at_least_float32(self.position_scales[layer]).square()).transpose(1, 2).unsqueeze(-1)  # a_h s_h^2
         return self._augment(q, k, a * state.q_feat, state)
 
     def extra_repr(self) -> str:
