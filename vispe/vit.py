@@ -4,6 +4,9 @@
 short alias ``vit_<size>`` (timm itself has no model of that name). Each points its pretrained
 config at timm's own ViT weights, so ``pretrained=True`` (or ``pretrained_cfg_overlay=dict(file=...)``
 offline) loads a timm checkpoint, keeps every shared weight and initialises the new encoding.
+
+`PEHost` is the forward every vispe host of the timm ViT family shares: this ViT, and the models
+`vispe.convert` (`vispe.zoo`) makes of timm's own ``VisionTransformer`` and ``Eva``.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Format, PatchDropoutWithIndices, is_scriptable, nchw_to, resample_abs_pos_embed
+from timm.layers import Format, PatchDropoutWithIndices, is_scriptable, nchw_to
 from timm.layers import PatchEmbed as TimmPatchEmbed
 from timm.models import generate_default_cfgs, register_model
 from timm.models._builder import build_model_with_cfg
@@ -28,12 +31,11 @@ from torch import nn
 
 from . import positions as P
 from .attention import PEAttention
-from .encodings.absolute import LearnedPE
-from .encodings.base import ComposedPE, PEContext, PositionalEncoding
+from .encodings.base import PEContext, PositionalEncoding
 from .registry import PESpec, create_pe
 
-__all__ = ['VisionTransformer', 'PEBlock', 'PatchEmbed', 'TubeletEmbed', 'VIT_SIZES', 'checkpoint_filter_fn',
-           'load_timm_checkpoint']
+__all__ = ['VisionTransformer', 'PEHost', 'PEBlock', 'LoadReport', 'adopt_pos_embed', 'PatchEmbed', 'TubeletEmbed',
+           'VIT_SIZES', 'checkpoint_filter_fn', 'load_timm_checkpoint']
 
 _logger = logging.getLogger(__name__)
 
@@ -142,7 +144,105 @@ class TubeletEmbed(nn.Module):
         return self.proj(x).permute(0, 2, 3, 4, 1)
 
 
-class VisionTransformer(TimmVisionTransformer):
+class PEHost:
+    """The forward of a timm ViT-family model whose encoding is ``self.pe``: positions built per
+    forward from the token grid and handed to every hook (``embed`` once, ``prepare`` once,
+    ``between_blocks`` after each block, and through the blocks' attention ``qk`` / ``bias`` /
+    ``value`` / ``output``). Mixed into vispe's `VisionTransformer` and into the hosts that
+    `vispe.convert` makes of timm's own ``VisionTransformer`` and ``Eva``; it reads timm's attributes
+    (``patch_embed``, ``cls_token``, ``reg_token``, ``pos_drop``, ``patch_drop``, ``norm_pre``,
+    ``blocks``, ``norm``) and needs blocks that take ``(x, pe=, state=, attn_mask=, is_causal=, pos=)``.
+    """
+    video: bool = False
+
+    def positions(self, grid: Sequence[int], device: torch.device) -> P.Positions:
+        """The positions of a token grid of this model (integer indices, prefix tokens first)."""
+        return P.grid(*grid, num_prefix=self.num_prefix_tokens, train_grid=self.patch_embed.grid_size,
+                      device=device)
+
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, P.Positions]:
+        x = _checked_input(x, self.video, tuple(self.patch_embed.patch_size),
+                           getattr(self.patch_embed, 'dynamic_img_pad', False), getattr(self.patch_embed, 'tubelet', 1))
+        x, pos = _token_sequence(self.patch_embed(x), [self.cls_token, self.reg_token], self.num_prefix_tokens,
+                                 tuple(self.patch_embed.grid_size))
+        x = self.pos_drop(_pe_hook(self.pe, 'embed', x, pos))
+        if self.patch_drop is not None:
+            x, keep = self.patch_drop(x)
+            if keep is not None:
+                pos = pos.select(keep)
+        return self.norm_pre(x), pos
+
+    def _blocks(self, x: torch.Tensor, pos: P.Positions, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                take: Sequence[int] = (), stop: Optional[int] = None, norm: bool = False):
+        state = _pe_hook(self.pe, 'prepare', pos)
+        taken = []
+        blocks = self.blocks if stop is None else self.blocks[:stop + 1]
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, self.pe, state, attn_mask, is_causal, pos)
+            else:
+                x = blk(x, pe=self.pe, state=state, attn_mask=attn_mask, is_causal=is_causal, pos=pos)
+            x = _pe_hook(self.pe, 'between_blocks', x, pos, i)
+            if i in take:
+                taken.append(self.norm(x) if norm else x)
+        return x, taken
+
+    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                         is_causal: bool = False) -> torch.Tensor:
+        x, pos = self._embed(x)
+        x, _ = self._blocks(x, pos, attn_mask, is_causal)
+        return self.norm(x)
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            return_prefix_tokens: bool = False,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+            output_dict: bool = False,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+    ):
+        """timm's `forward_intermediates` (same arguments and outputs)."""
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take, max_index = feature_take_indices(len(self.blocks), indices)
+        x, pos = self._embed(x)
+        x, inter = self._blocks(x, pos, attn_mask, is_causal, take=take,
+                                stop=max_index if stop_early else None, norm=norm)
+        npre = self.num_prefix_tokens
+        prefix = [y[:, :npre] for y in inter] if npre else None
+        inter = [y[:, npre:] for y in inter]
+        if output_fmt == 'NCHW':
+            if pos.grid is None:
+                raise ValueError("output_fmt='NCHW' needs the full token grid (disable patch dropout)")
+            inter = [y.unflatten(1, pos.grid).movedim(-1, 1).contiguous() for y in inter]
+        if output_dict:
+            out: Dict[str, Any] = {'image_intermediates': inter}
+            if prefix is not None and return_prefix_tokens:
+                out['image_intermediates_prefix'] = prefix
+            if not intermediates_only:
+                out['image_features'] = self.norm(x)
+            return out
+        if return_prefix_tokens and prefix is not None:
+            inter = list(zip(inter, prefix))
+        if intermediates_only:
+            return inter
+        return self.norm(x), inter
+
+    def set_input_size(self, img_size: Optional[Tuple[int, int]] = None,
+                       patch_size: Optional[Tuple[int, int]] = None) -> None:
+        if self.video:
+            raise NotImplementedError('set_input_size is not supported for video models')
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
+        self.pe.set_grid_size(tuple(self.patch_embed.grid_size))
+        self.pe_context = self.pe.ctx
+
+
+class VisionTransformer(PEHost, TimmVisionTransformer):
     """timm's ViT with the positional encoding as an argument (``pe``).
 
     Positions are built per forward from the token grid (``(h, w)``, or ``(t, h, w)`` for video)
@@ -229,94 +329,6 @@ class VisionTransformer(TimmVisionTransformer):
         return dict(stem=r'^cls_token|reg_token|pe\.|patch_embed|norm_pre',
                     blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
 
-    def set_input_size(self, img_size: Optional[Tuple[int, int]] = None,
-                       patch_size: Optional[Tuple[int, int]] = None) -> None:
-        if self.video:
-            raise NotImplementedError('set_input_size is not supported for video models')
-        super().set_input_size(img_size=img_size, patch_size=patch_size)
-        self.pe.set_grid_size(tuple(self.patch_embed.grid_size))
-        self.pe_context = self.pe.ctx
-
-    # ------------------------------------------------------------------ forward
-    def positions(self, grid: Sequence[int], device: torch.device) -> P.Positions:
-        """The positions of a token grid of this model (integer indices, prefix tokens first)."""
-        return P.grid(*grid, num_prefix=self.num_prefix_tokens, train_grid=self.patch_embed.grid_size,
-                      device=device)
-
-    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, P.Positions]:
-        x = _checked_input(x, self.video, tuple(self.patch_embed.patch_size),
-                           getattr(self.patch_embed, 'dynamic_img_pad', False), getattr(self.patch_embed, 'tubelet', 1))
-        x, pos = _token_sequence(self.patch_embed(x), [self.cls_token, self.reg_token], self.num_prefix_tokens,
-                                 tuple(self.patch_embed.grid_size))
-        x = self.pos_drop(_pe_hook(self.pe, 'embed', x, pos))
-        if self.patch_drop is not None:
-            x, keep = self.patch_drop(x)
-            if keep is not None:
-                pos = pos.select(keep)
-        return self.norm_pre(x), pos
-
-    def _blocks(self, x: torch.Tensor, pos: P.Positions, attn_mask: Optional[torch.Tensor], is_causal: bool,
-                take: Sequence[int] = (), stop: Optional[int] = None, norm: bool = False):
-        state = _pe_hook(self.pe, 'prepare', pos)
-        taken = []
-        blocks = self.blocks if stop is None else self.blocks[:stop + 1]
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, self.pe, state, attn_mask, is_causal, pos)
-            else:
-                x = blk(x, pe=self.pe, state=state, attn_mask=attn_mask, is_causal=is_causal, pos=pos)
-            x = _pe_hook(self.pe, 'between_blocks', x, pos, i)
-            if i in take:
-                taken.append(self.norm(x) if norm else x)
-        return x, taken
-
-    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                         is_causal: bool = False) -> torch.Tensor:
-        x, pos = self._embed(x)
-        x, _ = self._blocks(x, pos, attn_mask, is_causal)
-        return self.norm(x)
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            return_prefix_tokens: bool = False,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = 'NCHW',
-            intermediates_only: bool = False,
-            output_dict: bool = False,
-            attn_mask: Optional[torch.Tensor] = None,
-            is_causal: bool = False,
-    ):
-        """timm's `forward_intermediates` (same arguments and outputs)."""
-        if output_fmt not in ('NCHW', 'NLC'):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take, max_index = feature_take_indices(len(self.blocks), indices)
-        x, pos = self._embed(x)
-        x, inter = self._blocks(x, pos, attn_mask, is_causal, take=take,
-                                stop=max_index if stop_early else None, norm=norm)
-        npre = self.num_prefix_tokens
-        prefix = [y[:, :npre] for y in inter] if npre else None
-        inter = [y[:, npre:] for y in inter]
-        if output_fmt == 'NCHW':
-            if pos.grid is None:
-                raise ValueError("output_fmt='NCHW' needs the full token grid (disable patch dropout)")
-            inter = [y.unflatten(1, pos.grid).movedim(-1, 1).contiguous() for y in inter]
-        if output_dict:
-            out: Dict[str, Any] = {'image_intermediates': inter}
-            if prefix is not None and return_prefix_tokens:
-                out['image_intermediates_prefix'] = prefix
-            if not intermediates_only:
-                out['image_features'] = self.norm(x)
-            return out
-        if return_prefix_tokens and prefix is not None:
-            inter = list(zip(inter, prefix))
-        if intermediates_only:
-            return inter
-        return self.norm(x), inter
-
-
 # ---------------------------------------------------------------------- pretrained weights
 @dataclass
 class LoadReport:
@@ -330,12 +342,31 @@ class LoadReport:
                 f'resampled {self.resampled or "nothing"}')
 
 
-def _learned_tables(pe: PositionalEncoding, prefix: str = 'pe.') -> List[Tuple[str, LearnedPE]]:
-    if isinstance(pe, LearnedPE):
-        return [(prefix + 'pos_embed', pe)]
-    if isinstance(pe, ComposedPE):
-        return [t for i, e in enumerate(pe.encodings) for t in _learned_tables(e, f'{prefix}encodings.{i}.')]
-    return []
+def adopt_pos_embed(pe: PositionalEncoding, table: torch.Tensor, num_prefix_tokens: int,
+                    grid: Optional[Sequence[int]] = None, embed_prefix: bool = True, prefix: str = 'pe.'
+                    ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """A checkpoint's timm ``pos_embed`` handed to ``pe.adopt_pos_embed``: the state-dict entries it
+    fills (names prefixed with ``prefix``) and those among them that were resampled.
+
+    The table's prefix rows are read from its size: ``num_prefix_tokens`` rows when the rest form
+    ``grid`` (or a square grid), none when the table itself does (timm's ``no_embed_class``); where
+    both fit, ``embed_prefix`` (the model's ``not no_embed_class``) decides.
+    """
+    rows = table.shape[1]
+    candidates = [(num_prefix_tokens, rows - num_prefix_tokens), (0, rows)] if num_prefix_tokens else [(0, rows)]
+    if not embed_prefix:
+        candidates.reverse()
+    for npre, n in candidates:
+        if grid is not None and math.prod(grid) == n:
+            shape = tuple(grid)
+        elif grid is None and n > 0 and math.isqrt(n) ** 2 == n:
+            shape = (math.isqrt(n),) * 2
+        else:
+            continue
+        entries, resampled = pe.adopt_pos_embed(table, npre, shape)
+        return {prefix + k: v for k, v in entries.items()}, [prefix + k for k in resampled]
+    raise ValueError(f'checkpoint pos_embed has {rows} rows: neither {num_prefix_tokens} prefix rows plus '
+                     f'{"a square grid" if grid is None else f"the grid {tuple(grid)}"} nor the grid alone')
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTransformer) -> Dict[str, torch.Tensor]:
@@ -353,23 +384,11 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
     sd = timm_checkpoint_filter_fn(state_dict, model)
     dropped, resampled = [], []
     table = sd.pop('pos_embed', None)
-    learned = _learned_tables(model.pe)
     if table is not None:
-        if learned:
-            for key, enc in learned:
-                npre = enc.num_table_prefix
-                old_n = table.shape[1] - npre
-                old = (int(math.isqrt(old_n)),) * 2
-                if old[0] * old[1] != old_n:
-                    raise ValueError(f'checkpoint pos_embed has {old_n} grid rows, not a square grid')
-                v = table
-                if old != tuple(enc.ctx.grid_size):
-                    v = resample_abs_pos_embed(table, new_size=list(enc.ctx.grid_size), old_size=list(old),
-                                               num_prefix_tokens=npre, interpolation=enc.interpolation,
-                                               antialias=enc.antialias)
-                    resampled.append(key)
-                sd[key] = v
-        else:
+        entries, resampled = adopt_pos_embed(model.pe, table, model.num_prefix_tokens,
+                                             embed_prefix=not model.no_embed_class)
+        sd.update(entries)
+        if not entries:
             dropped.append('pos_embed')
     model_sd = model.state_dict()
     model_keys = set(model_sd)

@@ -1,0 +1,241 @@
+"""timm's ViT zoo with any encoding (`vispe.zoo`): wrapped entrypoints, `vispe.convert`, weights parity.
+
+Parity (`benchmarks.zoo_coverage.parity`, whose table the README shows): a random-init tiny timm model
+(its attention sharpened so that positions change the logits by far more than the tolerance) is
+saved to a file and loaded by the wrapped entrypoint with ``pe=timm_pe_spec(model)``,
+``pretrained=True`` and ``pretrained_cfg_overlay=dict(file=...)``: timm's own loader and filters
+run, then the conversion; its logits equal timm's model's to 1e-5.
+"""
+import pytest
+import timm
+import torch
+from timm.models import _registry
+from torch import nn
+
+import vispe
+from benchmarks.zoo_coverage import PARITY, build, parity
+from vispe.zoo import ZOO_MODULES
+
+ALL_ENTRYPOINTS = [n for m in ZOO_MODULES for n in timm.list_models(module=m)]
+
+
+def _input(model: nn.Module) -> torch.Tensor:
+    return torch.randn(2, 3, *model.patch_embed.img_size, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize('name', sorted(PARITY))
+def test_own_encoding_gives_timm_logits(name, tmp_path):
+    diff, blind, report = parity(name, str(tmp_path / 'timm.pth'))
+    assert blind > 1e-3  # positions matter here, so the comparison below can fail
+    assert diff <= 1e-5
+    assert report.dropped == [] and report.initialized == []
+
+
+@pytest.mark.parametrize('rope_type, options', [
+    ('cat', dict(temperature=10000.0, ref_feat_shape=(16, 16))),  # EVA-02
+    ('cat', dict(temperature=100.0, grid_indexing='xy')),  # RoPE-ViT axial
+    ('cat', dict(temperature=10000.0, grid_offset=1.0, rotate_half=True)),
+    ('dinov3', dict(temperature=100.0, rotate_half=True)),
+    ('dinov3', dict(min_period=0.5, max_period=50.0, normalize_coords='max', grid_indexing='xy', rotate_half=False)),
+    ('mrope', dict(temperature=10000.0, rotate_half=True, mrope_section=(2, 3, 3))),
+    ('mixed', dict(temperature=10.0, grid_indexing='xy')),
+])
+def test_rope_timm_rotates_as_timms_rope_module(rope_type, options):
+    """q and k rotated by `rope_timm` equal timm's own rope module + `apply_rot_embed_cat` on a
+    non-square grid other than the reference one (prefix tokens untouched)."""
+    from timm.layers import apply_rot_embed_cat, create_rope_embed
+    heads, hd, depth, grid = 2, 16, 2, (5, 7)
+    kw = dict(options)
+    rotate_half = kw.pop('rotate_half', False)
+    timm_kw = dict({'cat': dict(in_pixels=False), 'mixed': dict(depth=depth)}.get(rope_type, {}), **kw)
+    rope = create_rope_embed(rope_type, dim=heads * hd, num_heads=heads, rotate_half=rotate_half, **timm_kw)
+    pe = vispe.create_pe(dict(name='rope_timm', rope_type=rope_type, rotate_half=rotate_half, **kw),
+                         dim=heads * hd, num_heads=heads, depth=depth, grid_size=(4, 4), num_prefix_tokens=1)
+    if rope_type == 'mixed':
+        pe.load_state_dict(pe.adopt_timm_rope(rope))
+    emb = rope.get_embed(shape=list(grid))
+    q, k = torch.randn(2, 2, heads, 1 + 35, hd).unbind(0)
+    state = pe.prepare(vispe.grid(*grid, num_prefix=1, train_grid=(4, 4)))
+    for layer in range(depth if rope_type == 'mixed' else 1):
+        e = emb[layer] if rope_type == 'mixed' else emb
+        want = [torch.cat([t[:, :, :1], apply_rot_embed_cat(t[:, :, 1:], e, half=rotate_half)], 2) for t in (q, k)]
+        got = pe.qk(q, k, state, layer)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- without pe=
+@pytest.mark.parametrize('module', ZOO_MODULES)
+def test_wrapped_entrypoints_are_the_modules_own(module):
+    mod = getattr(timm.models, module)
+    for name in timm.list_models(module=module):
+        fn = _registry._model_entrypoints[name]
+        assert fn._vispe_original is getattr(mod, name)
+        assert (fn.__name__, fn.__module__, fn.__doc__) == (name, mod.__name__, getattr(mod, name).__doc__)
+
+
+@pytest.mark.parametrize('name', ['vit_small_patch14_reg4_dinov2', 'eva02_tiny_patch14_224', 'deit3_small_patch16_224'])
+def test_without_pe_timm_is_untouched(name):
+    original = _registry._model_entrypoints[name]._vispe_original
+    torch.manual_seed(0)
+    a = timm.create_model(name, depth=1).eval()
+    torch.manual_seed(0)
+    b = original(depth=1).eval()
+    assert type(a) is type(b) and type(a).__module__.startswith('timm.')
+    assert list(a.state_dict()) == list(b.state_dict())
+    x = _input(a)
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+    assert a.pretrained_cfg == b.pretrained_cfg
+
+
+# ---------------------------------------------------------------------- conversion
+def test_convert_keeps_every_weight_name():
+    model = timm.create_model('vit_small_patch14_reg4_dinov2', depth=2, embed_dim=64, num_heads=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = vispe.convert(model, 'irpe+learned')
+    assert converted is model and isinstance(model, vispe.VisionTransformer)
+    after = model.state_dict()
+    assert set(after) == (set(before) - {'pos_embed'}) | {k for k in after if k.startswith('pe.')}
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k != 'pos_embed')
+    assert torch.equal(after['pe.encodings.1.pos_embed'], before['pos_embed'])
+
+
+def test_report_lists_dropped_and_initialised():
+    vit = vispe.convert(timm.create_model('vit_tiny_patch16_224', depth=1), 'rope_mixed')
+    assert vit.pretrained_report.dropped == ['pos_embed']
+    assert vit.pretrained_report.initialized == ['pe.freqs']
+    eva = vispe.convert(timm.create_model('vit_small_patch16_rope_mixed_ape_224', depth=1), 'liere')
+    assert eva.pretrained_report.dropped == ['pos_embed', 'rope.freqs']
+    assert eva.pretrained_report.initialized == sorted(f'pe.{k}' for k in eva.pe.state_dict())
+    both = vispe.convert(timm.create_model('vit_small_patch16_rope_mixed_ape_224', depth=1),
+                         ['learned', 'rope_timm:rope_type=mixed,grid_indexing=xy,temperature=10'])
+    assert both.pretrained_report.dropped == [] and both.pretrained_report.initialized == []
+
+
+def test_checkpoint_at_another_resolution_loads_as_timm_loads_it(tmp_path):
+    """A DINOv2 checkpoint (37x37 table, 4 registers) into a 224 model: timm's filter resamples the
+    table for both models, so they agree."""
+    tiny = dict(depth=1, embed_dim=64, num_heads=2)
+    torch.manual_seed(0)
+    path = tmp_path / 'dinov2_518.pth'
+    torch.save(timm.create_model('vit_small_patch14_reg4_dinov2', **tiny).state_dict(), path)
+    load = dict(pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), img_size=224, **tiny)
+    ref = timm.create_model('vit_small_patch14_reg4_dinov2', **load).eval()
+    model = timm.create_model('vit_small_patch14_reg4_dinov2', pe='learned', **load).eval()
+    assert model.pe.pos_embed.shape == ref.pos_embed.shape == (1, 16 * 16, 64)  # no_embed_class
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max() <= 1e-5
+
+
+def test_checkpoint_table_of_another_grid_is_resampled_by_the_encoding():
+    model = timm.create_model('vit_small_patch14_dinov2', depth=1, embed_dim=64, num_heads=2)  # 37x37 table
+    table = model.pos_embed.detach().clone()
+    vispe.convert(model, {'name': 'learned'})
+    pe = vispe.create_pe('learned', dim=64, grid_size=(16, 16), num_prefix_tokens=1)
+    entries, resampled = pe.adopt_pos_embed(table, 1, (37, 37))
+    assert resampled == ['pos_embed'] and entries['pos_embed'].shape == (1, 1 + 16 * 16, 64)
+
+
+@pytest.mark.parametrize('name, pe', [
+    ('vit_small_patch16_224', 'prope'), ('eva02_tiny_patch14_224', 'plucker'),
+    ('vit_dwee_patch16_reg1_gap_256', 'rope_mixed'), ('vit_dpwee_patch16_reg1_gap_256', 'learned'),
+    ('deit_tiny_distilled_patch16_224', 'learned'),
+])
+def test_refusals_name_the_model_and_the_reason(name, pe):
+    with pytest.raises(ValueError, match=name):
+        timm.create_model(name, pe=pe, device='meta')
+
+
+def test_naflex_and_double_conversion_are_refused():
+    with pytest.raises(ValueError, match='NaFlexVit'):
+        timm.create_model('vit_tiny_patch16_224', pe='learned', use_naflex=True, device='meta')
+    model = timm.create_model('vit_tiny_patch16_224', pe='learned', depth=1)
+    with pytest.raises(ValueError, match='already a vispe host'):
+        vispe.convert(model, 'rope_axial')
+
+
+@pytest.mark.parametrize('name, pe, kwargs', [
+    ('vit_small_patch14_reg4_dinov2', 'rope_mixed', dict(dynamic_img_size=True)),
+    ('vit_base_patch16_siglip_224', 'irpe', dict(dynamic_img_size=True)),  # MAP head
+    ('vit_small_patch16_18x2_224', 'liere', {}),
+    ('vit_base_patch16_xp_224', 'pape', {}),  # widened q/k in the fused block
+    ('vit_base_patch16_rpn_224', 'peg', {}),
+    ('eva02_tiny_patch14_224', 'rope_axial+learned', dict(dynamic_img_size=True)),
+    ('vit_small_patch16_dinov3', 'string_cayley', {}),
+    ('vit_base_patch16_sapiens2', 'rope_mixed', {}),  # grouped-query
+    ('vit_pe_core_tiny_patch16_384', 'comrope_ld', {}),
+])
+def test_converted_models_run_and_train(name, pe, kwargs):
+    small = dict(embed_dim=64, num_heads=2, num_kv_heads=1) if 'sapiens2' in name else dict(embed_dim=64, num_heads=2)
+    model = timm.create_model(name, pe=pe, depth=2, img_size=112, **small, **kwargs)
+    x = torch.randn(2, 3, 112, 112)
+    model(x).sum().backward()
+    assert all(p.grad is not None for n, p in model.pe.named_parameters())
+    model.eval()
+    with torch.no_grad():
+        feats, inter = model.forward_intermediates(x, indices=2)
+        assert inter[0].shape[-2:] == model.patch_embed.dynamic_feat_size((112, 112))
+        if kwargs.get('dynamic_img_size'):
+            size = model.patch_embed.patch_size[0] * 5
+            assert torch.isfinite(model(torch.randn(1, 3, size, 2 * size))).all()
+    assert {f'pe.{n}' for n in model.pe.no_weight_decay()} <= model.no_weight_decay()
+
+
+def test_set_input_size_moves_the_encoding():
+    model = timm.create_model('eva02_tiny_patch14_224', pe='learned+rope_mixed', depth=1)
+    model.set_input_size(img_size=(112, 112))
+    assert model.pe.ctx.grid_size == (8, 8)
+    assert model(torch.randn(1, 3, 112, 112)).shape == (1, model.num_classes or model.num_features)
+
+
+def test_features_only_and_patch_dropout_keep_working():
+    feats = timm.create_model('vit_small_patch16_dinov3', pe='rope_mixed', features_only=True, out_indices=(0, 1),
+                              depth=2, embed_dim=64, num_heads=2, img_size=64)
+    assert [tuple(f.shape) for f in feats(torch.randn(1, 3, 64, 64))] == [(1, 64, 4, 4)] * 2
+    model = timm.create_model('eva02_tiny_patch14_224', pe=vispe.timm_pe_spec(timm.create_model(
+        'eva02_tiny_patch14_224', device='meta')), patch_drop_rate=0.5, depth=1, img_size=112)
+    model.train()(torch.randn(2, 3, 112, 112)).sum().backward()
+    with pytest.raises(ValueError, match='patch dropout'):
+        timm.create_model('vit_tiny_patch16_224', pe='peg', patch_drop_rate=0.5, device='meta')
+
+
+# ---------------------------------------------------------------------- coverage
+def _applies(pe: str) -> bool:
+    return not vispe.pe_info(pe)['cls'].requires
+
+
+_REFUSED = ('DiffAttention', 'DiffParallelScalingBlock', 'VisionTransformerDistilled')
+
+
+def _check_builds(name: str, pe, full: bool = False) -> None:
+    try:
+        model = build(name, pe, full)
+    except ValueError as e:
+        assert any(r in str(e) for r in _REFUSED) or not _applies(pe), str(e)
+        return
+    assert isinstance(model, vispe.zoo.PEHost) and model.pe.ctx.depth == len(model.blocks)
+
+
+@pytest.mark.parametrize('name', ALL_ENTRYPOINTS)
+def test_every_entrypoint_builds_with_representative_encodings(name):
+    for pe in ('rope_mixed', 'irpe+learned'):
+        _check_builds(name, pe)
+
+
+FAMILY_EXAMPLES = ['vit_small_patch14_reg4_dinov2', 'vit_base_patch16_siglip_224', 'deit3_small_patch16_224',
+                   'eva02_small_patch14_224', 'vit_small_patch16_dinov3', 'vit_base_patch16_xp_224']
+
+
+@pytest.mark.parametrize('name', FAMILY_EXAMPLES)
+def test_every_encoding_builds_on_one_model_per_family(name):
+    for pe in vispe.list_pes():
+        _check_builds(name, pe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ALL_ENTRYPOINTS)
+def test_every_entrypoint_builds_with_every_encoding(name):
+    for pe in vispe.list_pes():
+        _check_builds(name, pe, full=True)

@@ -1,0 +1,461 @@
+"""timm's ViT zoo with any vispe encoding: `convert` and ``timm.create_model(..., pe=...)``.
+
+`convert` turns an already-built timm ``VisionTransformer`` or ``Eva`` (any of the 228 entrypoints of
+``timm.models.vision_transformer`` and ``timm.models.eva``, or e.g. open_clip's timm tower
+``.trunk``) into a PE host in place: every attention module and block becomes its PE-aware subclass
+(the same parameters, buffers and names, so the model's weights stay exactly where they were), the
+model's ``pos_embed`` (and Eva's ``rope``) is replaced by the encoding ``model.pe``, and the
+checkpoint's table is handed to the encoding (``adopt_pos_embed``; a timm rope's learned
+frequencies to an encoding with ``adopt_timm_rope``). ``model.pretrained_report`` says what was
+dropped, initialised and resampled.
+
+``import vispe`` wraps each entrypoint of both timm modules so that it accepts ``pe=``: without it
+the original entrypoint runs untouched (same class, outputs, state dict, pretrained configs); with
+it timm builds (and loads) the model through its own entrypoint, loader and checkpoint filters, then
+`convert` runs. ``timm_pe_spec(model)`` is the spec of the model's own encoding (``learned``,
+``rope_timm:...`` or both), with which the converted model computes timm's own outputs.
+
+Block types kept: ``Block``, ``ResPostBlock``, ``ParallelScalingBlock``, ``ParallelThingsBlock``
+(its parallel attentions share the block's layer index), ``EvaBlock``, ``EvaBlockPostNorm``; attention
+``Attention``, ``EvaAttention`` (fused or separate q/k/v, ``q_bias`` / ``v_bias``) and
+``AttentionRope`` (grouped-query: k and v are repeated to every head before the encoding acts, so
+per-head encodings see one key per head). Differential attention is refused: it forms two softmax
+maps per head of half width, while vispe encodings act on one attention map per head.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+
+import timm
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention, AttentionRope, PatchDropout, PatchDropoutWithIndices
+from timm.layers.pos_embed_sincos import (
+    RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed, RotaryEmbeddingMRope,
+)
+from timm.models import _registry
+from timm.models._features import FeatureGetterNet
+from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
+from timm.models.vision_transformer import (
+    Block, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock,
+)
+from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
+from torch import nn
+
+from .attention import pe_attention
+from .encodings.base import PEContext, PositionalEncoding
+from .positions import Positions
+from .registry import PESpec, create_pe
+from .vit import LoadReport, PEBlock, PEHost, VisionTransformer, adopt_pos_embed
+
+__all__ = ['convert', 'timm_pe_spec', 'ZOO_MODULES', 'PEEva']
+
+_logger = logging.getLogger(__name__)
+
+ZOO_MODULES = ('vision_transformer', 'deit', 'eva')
+
+
+# ---------------------------------------------------------------------- attention
+class _PEOutput:
+    """The part every PE-aware timm attention shares: `pe_attention` on its own q, k, v, then the
+    module's own output path (scale norm, gate, projection)."""
+    layer_index: int = 0
+
+    def _attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                gate: Optional[torch.Tensor], pe: Optional[PositionalEncoding], state: Any,
+                attn_mask: Optional[torch.Tensor], is_causal: bool, pos: Optional[Positions]) -> torch.Tensor:
+        B, N = x.shape[:2]
+        o = pe_attention(q, k, v, pe, state, self.layer_index, x=x, attn_mask=attn_mask,
+                         dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale,
+                         is_causal=is_causal, force_explicit=not self.fused_attn, pos_q=pos)
+        o = self.norm(o.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim))
+        if gate is not None:
+            o = o * gate
+        return self.proj_drop(self.proj(o))
+
+
+class PETimmAttention(_PEOutput, Attention):
+    """timm's `Attention` (same parameters) with the encoding's hooks."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self._attend(x, self.q_norm(q), self.k_norm(k), v, gate, pe, state, attn_mask, is_causal, pos)
+
+
+class PEEvaAttention(_PEOutput, EvaAttention):
+    """timm's `EvaAttention` (fused qkv with ``q_bias`` / ``v_bias`` and no k bias, or separate
+    projections) with the encoding's hooks in place of its rope."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        if self.qkv is not None:
+            if self.q_bias is None:
+                qkv = self.qkv(x)
+            elif self.qkv_bias_separate:
+                qkv = self.qkv(x) + torch.cat((self.q_bias, self.k_bias, self.v_bias))
+            else:
+                qkv = F.linear(x, weight=self.qkv.weight, bias=torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+            q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = (p(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self._attend(x, self.q_norm(q), self.k_norm(k), v, gate, pe, state, attn_mask, is_causal, pos)
+
+
+class PEAttentionRope(_PEOutput, AttentionRope):
+    """timm's `AttentionRope` (fused or separate projections, grouped-query heads) with the
+    encoding's hooks in place of its rope."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q = self.q_proj(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).reshape(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).reshape(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.num_kv_groups > 1:  # head h reads kv head h // groups, as timm
+            k = k.repeat_interleave(self.num_kv_groups, dim=1)
+            v = v.repeat_interleave(self.num_kv_groups, dim=1)
+        return self._attend(x, q, k, v, gate, pe, state, attn_mask, is_causal, pos)
+
+
+# ---------------------------------------------------------------------- blocks
+class PEResPostBlock(ResPostBlock):
+    """timm's post-norm `ResPostBlock` whose attention receives the encoding."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        x = x + self.drop_path1(self.norm1(self.attn(x, pe=pe, state=state, attn_mask=attn_mask,
+                                                     is_causal=is_causal, pos=pos)))
+        return x + self.drop_path2(self.norm2(self.mlp(x)))
+
+
+class PEParallelThingsBlock(ParallelThingsBlock):
+    """timm's `ParallelThingsBlock` (parallel attentions, then parallel MLPs); its attentions share
+    the block's layer index."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        x = x + torch.stack([a.drop_path(a.ls(a.attn(a.norm(x), pe=pe, state=state, attn_mask=attn_mask,
+                                                     is_causal=is_causal, pos=pos))) for a in self.attns]).sum(0)
+        return x + torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
+
+
+class PEParallelScalingBlock(ParallelScalingBlock):
+    """timm's `ParallelScalingBlock` (ViT-22B: attention and MLP from one fused input projection)
+    with the encoding's hooks in its attention."""
+    layer_index: int = 0
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        B, N, C = x.shape
+        y = self.in_norm(x)
+        x_mlp, q, k, v = torch.split(self.in_proj(y), self.in_split, dim=-1)
+        if self.mlp_bias is not None:
+            x_mlp = x_mlp + self.mlp_bias
+        q = self.q_norm(q.view(B, N, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, N, self.num_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        x_attn = pe_attention(q, k, v, pe, state, self.layer_index, x=y, attn_mask=attn_mask,
+                              dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale,
+                              is_causal=is_causal, force_explicit=not self.fused_attn, pos_q=pos)
+        x_attn = x_attn.transpose(1, 2).reshape(B, N, C)
+        x_mlp = self.mlp_drop(self.mlp_act(x_mlp))
+        if self.out_proj is not None:
+            y = self.out_proj(torch.cat((x_attn, x_mlp), dim=-1))
+        else:
+            y = self.attn_out_proj(x_attn) + self.mlp_out_proj(x_mlp)
+        return x + self.drop_path(self.ls(y))
+
+
+class PEEvaBlock(EvaBlock):
+    """timm's pre-norm `EvaBlock` (SwiGLU, layer scale ``gamma_1`` / ``gamma_2``, qk-norm, scale
+    norm) whose attention receives the encoding instead of a rope table."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        x_attn = self.attn(self.norm1(x), pe=pe, state=state, attn_mask=attn_mask, is_causal=is_causal, pos=pos)
+        if self.gamma_1 is not None:
+            x_attn = self.gamma_1 * x_attn
+        x = x + self.drop_path1(x_attn)
+        x_mlp = self.mlp(self.norm2(x))
+        if self.gamma_2 is not None:
+            x_mlp = self.gamma_2 * x_mlp
+        return x + self.drop_path2(x_mlp)
+
+
+class PEEvaBlockPostNorm(EvaBlockPostNorm):
+    """timm's post-norm `EvaBlockPostNorm` whose attention receives the encoding."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        x = x + self.drop_path1(self.norm1(self.attn(x, pe=pe, state=state, attn_mask=attn_mask,
+                                                     is_causal=is_causal, pos=pos)))
+        return x + self.drop_path2(self.norm2(self.mlp(x)))
+
+
+# ---------------------------------------------------------------------- hosts
+class PEEva(PEHost, Eva):
+    """timm's `Eva` (EVA, EVA-02, PE, RoPE-ViT ports, DINOv3, ...) as a vispe host: its ``pos_embed``
+    and ``rope`` replaced by ``self.pe``; everything else (heads, pooling, norms) is timm's."""
+
+    def init_weights(self, needs_reset: bool = True) -> None:
+        """timm's init, then the encoding's own (`reset_parameters`)."""
+        super().init_weights(needs_reset)
+        pe = getattr(self, 'pe', None)
+        if pe is not None:
+            pe.reset_parameters()
+
+    @torch.jit.ignore
+    def no_weight_decay(self):
+        return super().no_weight_decay() | {f'pe.{n}' for n in self.pe.no_weight_decay()}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(stem=r'^cls_token|reg_token|pe\.|patch_embed|norm_pre',
+                    blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
+
+
+_HOSTS: Dict[Type[nn.Module], Type[nn.Module]] = {TimmVisionTransformer: VisionTransformer, Eva: PEEva}
+_BLOCKS: Dict[Type[nn.Module], Type[nn.Module]] = {
+    Block: PEBlock, ResPostBlock: PEResPostBlock, ParallelThingsBlock: PEParallelThingsBlock,
+    ParallelScalingBlock: PEParallelScalingBlock, EvaBlock: PEEvaBlock, EvaBlockPostNorm: PEEvaBlockPostNorm,
+}
+_ATTENTIONS: Dict[Type[nn.Module], Type[nn.Module]] = {
+    Attention: PETimmAttention, EvaAttention: PEEvaAttention, AttentionRope: PEAttentionRope,
+}
+
+
+def _attentions(block: nn.Module) -> List[nn.Module]:
+    """The attention modules of a block (the block itself for ParallelScalingBlock)."""
+    if isinstance(block, ParallelScalingBlock):
+        return [block]
+    if isinstance(block, ParallelThingsBlock):
+        return [a.attn for a in block.attns]
+    return [block.attn]
+
+
+def _model_name(model: nn.Module, name: Optional[str]) -> str:
+    if name:
+        return name
+    cfg = getattr(model, 'pretrained_cfg', None) or {}
+    return cfg.get('architecture') or type(model).__name__
+
+
+def _check_convertible(model: nn.Module, label: str) -> None:
+    if getattr(model, 'pe', None) is not None and isinstance(model, PEHost):
+        raise ValueError(f'{label} is already a vispe host (pe={model.pe.name!r}); build it anew to change pe')
+    if type(model) not in _HOSTS:
+        raise ValueError(f'{label}: vispe.convert takes timm VisionTransformer or Eva models, got '
+                         f'{type(model).__module__}.{type(model).__name__}')
+    for i, block in enumerate(model.blocks):
+        if type(block) not in _BLOCKS:
+            reason = ('differential attention forms two softmax maps per head of half width; vispe encodings act '
+                      'on one attention map per head') if 'Diff' in type(block).__name__ else 'not a known timm block'
+            raise ValueError(f'{label}: block {i} is a {type(block).__name__}, which vispe cannot host ({reason})')
+        for attn in _attentions(block):
+            if attn is not block and type(attn) not in _ATTENTIONS:
+                reason = ('differential attention forms two softmax maps per head of half width; vispe encodings '
+                          'act on one attention map per head') if 'Diff' in type(attn).__name__ else \
+                    'not a known timm attention'
+                raise ValueError(f'{label}: block {i} has a {type(attn).__name__}, which vispe cannot host ({reason})')
+
+
+def _rope_spec(rope: nn.Module, label: str) -> Dict[str, Any]:
+    """The `rope_timm` options equal to a timm rope module."""
+    augment = {k: getattr(rope, k) for k in ('shift_coords', 'jitter_coords', 'rescale_coords')
+               if getattr(rope, k, None) is not None}
+    if type(rope) is RotaryEmbeddingCat:
+        if rope.grid_type != 'index' or rope.in_pixels:
+            raise ValueError(f'{label}: its rope uses pixel-frequency bands (grid_type={rope.grid_type!r}); '
+                             "encoding 'rope_timm' follows the index-grid convention of timm's ViT models")
+        spec = dict(rope_type='cat', temperature=float(rope.temperature), grid_indexing=rope.grid_indexing,
+                    grid_offset=float(rope.grid_offset), rotate_half=bool(rope.rotate_half))
+        if rope.ref_feat_shape is not None:
+            spec['ref_feat_shape'] = [int(s) for s in rope.ref_feat_shape]
+    elif type(rope) is RotaryEmbeddingMixed:
+        spec = dict(rope_type='mixed', temperature=float(rope.temperature), grid_indexing=rope.grid_indexing)
+    elif type(rope) is RotaryEmbeddingDinoV3:
+        spec = dict(rope_type='dinov3', grid_indexing=rope.grid_indexing, grid_offset=float(rope.grid_offset),
+                    rotate_half=bool(rope.rotate_half), normalize_coords=rope.normalize_coords)
+        if rope.min_period is not None and rope.max_period is not None:
+            spec.update(min_period=float(rope.min_period), max_period=float(rope.max_period))
+        else:
+            spec['temperature'] = float(rope.temperature)
+    elif type(rope) is RotaryEmbeddingMRope:
+        spec = dict(rope_type='mrope', temperature=float(rope.temperature), rotate_half=True,
+                    mrope_section=[int(s) for s in rope.mrope_section])
+    else:
+        raise ValueError(f'{label}: unknown timm rope module {type(rope).__name__}')
+    return dict(name='rope_timm', **spec, **augment)
+
+
+def timm_pe_spec(model: nn.Module) -> PESpec:
+    """The vispe spec of a timm ViT / Eva model's own encoding: ``'learned'`` for its ``pos_embed``, a
+    ``rope_timm`` dict for its rope, both for EVA-02 (a list), ``'none'`` for neither. Converted with
+    it (`convert`), the model computes timm's own outputs."""
+    label = _model_name(model, None)
+    parts: List[Any] = []
+    if getattr(model, 'pos_embed', None) is not None:
+        parts.append('learned')
+    rope = getattr(model, 'rope', None)
+    if rope is not None:
+        parts.append(_rope_spec(rope, label))
+    if not parts:
+        return 'none'
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _context(model: nn.Module) -> PEContext:
+    first = _attentions(model.blocks[0])[0] if len(model.blocks) else None
+    num_heads = first.num_heads if first is not None else 1
+    return PEContext(dim=model.embed_dim, num_heads=num_heads,
+                     head_dim=first.head_dim if first is not None else model.embed_dim, depth=len(model.blocks),
+                     grid_size=tuple(model.patch_embed.grid_size), num_prefix_tokens=model.num_prefix_tokens,
+                     embed_prefix=not model.no_embed_class)
+
+
+def _adopt(model: nn.Module, pe: PositionalEncoding) -> Tuple[Dict[str, torch.Tensor], LoadReport]:
+    """What of the model's own position weights the encoding takes over, and the report."""
+    entries: Dict[str, torch.Tensor] = {}
+    dropped: List[str] = []
+    resampled: List[str] = []
+    table = model.pos_embed
+    if table is not None:
+        found, resampled = adopt_pos_embed(pe, table.detach(), model.num_prefix_tokens,
+                                           grid=tuple(model.patch_embed.grid_size),
+                                           embed_prefix=not model.no_embed_class, prefix='')
+        entries.update(found)
+        if not found:
+            dropped.append('pos_embed')
+    rope = getattr(model, 'rope', None)
+    if rope is not None:
+        taken = {}
+        for name, module in pe.named_modules():
+            hook = getattr(module, 'adopt_timm_rope', None)
+            if hook is not None:
+                taken.update({f'{name}.{k}' if name else k: v for k, v in hook(rope).items()})
+        entries.update(taken)
+        rope_keys = [f'rope.{k}' for k in rope.state_dict()]
+        if not taken:
+            dropped += rope_keys
+    initialized = sorted(f'pe.{k}' for k in pe.state_dict() if k not in entries)
+    return entries, LoadReport(dropped=dropped, initialized=initialized, resampled=[f'pe.{k}' for k in resampled])
+
+
+def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None, **options: Any) -> nn.Module:
+    """Make a built timm ``VisionTransformer`` or ``Eva`` a vispe host with encoding ``pe``, in place.
+
+    Every weight of the model stays (same names); its ``pos_embed`` is handed to the encoding
+    (``adopt_pos_embed``: a ``learned`` table takes it, resampled to its grid) and its rope
+    module is replaced (a ``rope_timm`` encoding with ``rope_type='mixed'`` takes its learned
+    frequencies). ``model.pretrained_report`` lists what was dropped (a table or rope weights no
+    encoding took), initialised (encoding weights not taken from the model) and resampled.
+
+    Args:
+        model: the timm model (on any device, the meta device included).
+        pe: encoding spec (``'rope_mixed'``, ``'irpe+learned'``, ``timm_pe_spec(model)``, ...).
+        name: the model's name for error messages (default: its pretrained config's architecture).
+        options: options of a single encoding, overriding the spec's.
+
+    Returns:
+        The same model object, now a `vispe.VisionTransformer` or `PEEva`.
+
+    Raises:
+        ValueError: a model vispe cannot host (another class, differential attention, NaFlexVit) or
+            an encoding that cannot apply to it (one that needs cameras, other head widths), naming
+            the model and the reason.
+    """
+    label = _model_name(model, name)
+    _check_convertible(model, label)
+    ref = next(iter(model.parameters()), None)
+    dd = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}
+    ctx = _context(model)
+    try:
+        enc = create_pe(pe, ctx, **dd, **options)
+    except ValueError as e:
+        raise ValueError(f'{label}: pe={pe!r} cannot apply to this model: {e}') from e
+    caps = enc.capabilities
+    if caps.requires:
+        raise ValueError(f'{label}: pe={pe!r} needs {sorted(caps.requires)} in its positions, which an image '
+                         'ViT does not supply (use a camera-aware host)')
+    drop_rate = getattr(model.patch_drop, 'prob', 0.0) if model.patch_drop is not None else 0.0
+    if drop_rate > 0 and caps.between_blocks:
+        raise ValueError(f'{label}: pe={pe!r} acts between blocks on the full token grid, which patch dropout '
+                         f'(patch_drop_rate={drop_rate}) removes')
+    entries, report = _adopt(model, enc)
+    with torch.no_grad():
+        missing, unexpected = enc.load_state_dict(entries, strict=False)
+    if unexpected:
+        raise ValueError(f'{label}: the encoding has no entries {unexpected} that it adopted')  # a hook's bug
+
+    for i, block in enumerate(model.blocks):
+        block.__class__ = _BLOCKS[type(block)]
+        for attn in _attentions(block):
+            if attn is not block:
+                attn.__class__ = _ATTENTIONS[type(attn)]
+            attn.layer_index = i
+    if isinstance(model.patch_drop, PatchDropout):  # timm's ViT: one that also returns the kept indices
+        model.patch_drop = PatchDropoutWithIndices(model.patch_drop.prob, model.num_prefix_tokens,
+                                                   ordered=model.patch_drop.ordered)
+    elif not isinstance(model.patch_drop, PatchDropoutWithIndices):
+        model.patch_drop = None
+    model.pos_embed = None
+    if isinstance(model, Eva):
+        model.rope = None
+        model.rope_mixed = False
+    model.__class__ = _HOSTS[type(model)]
+    model.pe = enc
+    model.pe_context = ctx
+    model.pretrained_report = report
+    _logger.info('vispe: converted %s to pe=%s: %s', label, enc.name, report)
+    return model
+
+
+# ---------------------------------------------------------------------- timm entrypoints
+def _wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``fn`` accepting ``pe=``; without it, ``fn`` itself runs."""
+    @functools.wraps(fn)
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        if 'pe' not in kwargs:
+            return fn(pretrained=pretrained, **kwargs)
+        pe = kwargs.pop('pe')
+        model = fn(pretrained=pretrained, **kwargs)
+        # features_only=True: timm wraps the model, which serves forward_intermediates to the wrapper
+        convert(model.model if isinstance(model, FeatureGetterNet) else model, pe, name=fn.__name__)
+        return model
+    entrypoint._vispe_original = fn
+    return entrypoint
+
+
+def _wrap_entrypoints() -> None:
+    """Wrap every entrypoint of timm's ViT modules in timm's registry (idempotent). timm has no
+    public call to replace an entrypoint; its registry maps names to functions in
+    ``_model_entrypoints``, and the wrapper keeps each function's name, module and docstring."""
+    for module in ZOO_MODULES:
+        for name in timm.list_models(module=module):
+            fn = _registry._model_entrypoints[name]
+            if not hasattr(fn, '_vispe_original'):
+                _registry._model_entrypoints[name] = _wrap(fn)
+
+
+_wrap_entrypoints()
