@@ -6,7 +6,7 @@
 (the same parameters, buffers and names, so the model's weights stay exactly where they were), the
 model's ``pos_embed`` (and Eva's ``rope``) is replaced by the encoding ``model.pe``, and the
 checkpoint's table is handed to the encoding (``adopt_pos_embed``; a timm rope's learned
-frequencies to an encoding with ``adopt_timm_rope``). ``model.pretrained_report`` says what was
+frequencies to the encoding's ``adopt_timm_rope``). ``model.pretrained_report`` says what was
 dropped, initialised and resampled.
 
 ``import vispe`` wraps each entrypoint of both timm modules so that it accepts ``pe=``: without it
@@ -349,11 +349,7 @@ def _adopt(model: nn.Module, pe: PositionalEncoding) -> Tuple[Dict[str, torch.Te
             dropped.append('pos_embed')
     rope = getattr(model, 'rope', None)
     if rope is not None:
-        taken = {}
-        for name, module in pe.named_modules():
-            hook = getattr(module, 'adopt_timm_rope', None)
-            if hook is not None:
-                taken.update({f'{name}.{k}' if name else k: v for k, v in hook(rope).items()})
+        taken = pe.adopt_timm_rope(rope)
         entries.update(taken)
         rope_keys = [f'rope.{k}' for k in rope.state_dict()]
         if not taken:

@@ -228,6 +228,11 @@ class PositionalEncoding(nn.Module):
         """
         return {}, []
 
+    def adopt_timm_rope(self, rope: nn.Module) -> Dict[str, torch.Tensor]:
+        """Take over a timm rope module's learned weights (e.g. RoPE-Mixed's ``freqs``): the state-dict
+        entries (names relative to this encoding) it fills. The default takes nothing."""
+        return {}
+
     # ----------------------------------------------------------------- state
     def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> Any:
         """Build the per-forward state shared by all layers (cached in eval mode)."""
@@ -408,6 +413,9 @@ class ComposedPE(PositionalEncoding):
             entries.update({f'encodings.{i}.{k}': v for k, v in own.items()})
             resampled += [f'encodings.{i}.{k}' for k in res]
         return entries, resampled
+
+    def adopt_timm_rope(self, rope):
+        return {f'encodings.{i}.{k}': v for i, e in enumerate(self.encodings) for k, v in e.adopt_timm_rope(rope).items()}
 
     def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> List[Any]:
         return [e.prepare(pos_q, pos_k) for e in self.encodings]
