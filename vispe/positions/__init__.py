@@ -1,5 +1,5 @@
 """Positions and their builders: the answer to *where is each token*."""
-from .core import GridMode, Positions, grid, grid_coordinates, points
+from .core import GridMode, Positions, grid, grid_coordinates, naflex_grid, points
 from .multiview import multiview, view_grid
 
-__all__ = ['Positions', 'GridMode', 'grid', 'points', 'grid_coordinates', 'multiview', 'view_grid']
+__all__ = ['Positions', 'GridMode', 'grid', 'naflex_grid', 'points', 'grid_coordinates', 'multiview', 'view_grid']

@@ -22,7 +22,7 @@ import torch
 
 from .._tracing import is_tracing
 
-__all__ = ['Positions', 'GridMode', 'grid', 'points', 'grid_coordinates']
+__all__ = ['Positions', 'GridMode', 'grid', 'naflex_grid', 'points', 'grid_coordinates']
 
 GridMode = Literal['index', 'normalized']
 
@@ -40,6 +40,10 @@ class Positions:
         cameras: optional camera data for geometry-aware encodings.
         view_index: optional ``(N,)`` or ``(B, N)`` camera index of each token.
         key_padding_mask: optional ``(B, N)`` bool mask, True where a token is padding.
+        grids: per-sample grid shapes of a native-resolution (NaFlex) batch: sample ``b``'s first
+            ``prod(grids[b])`` rows of ``coords`` ``(B, N, D)`` are the integer indices of its own grid
+            in row-major order and the rest is padding (``key_padding_mask`` True, coordinates 0);
+            ``grid`` is then None (the samples share no grid). Built by `naflex_grid`.
     """
     coords: torch.Tensor
     num_prefix: int = 0
@@ -48,6 +52,7 @@ class Positions:
     cameras: Any = None
     view_index: Optional[torch.Tensor] = None
     key_padding_mask: Optional[torch.Tensor] = None
+    grids: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     def __post_init__(self) -> None:
         if not torch.is_tensor(self.coords) or self.coords.dim() not in (2, 3):
@@ -60,6 +65,18 @@ class Positions:
             raise ValueError(f'Positions.num_prefix must be >= 0, got {self.num_prefix}')
         if self.grid is not None and math.prod(self.grid) != self.coords.shape[-2]:
             raise ValueError(f'Positions.grid {self.grid} does not match {self.coords.shape[-2]} coordinates')
+        if self.key_padding_mask is not None and (
+                self.key_padding_mask.dim() != 2 or self.key_padding_mask.shape[-1] != self.coords.shape[-2]):
+            raise ValueError(f'Positions.key_padding_mask must be (B, {self.coords.shape[-2]}) like the coordinates, '
+                             f'got {tuple(self.key_padding_mask.shape)}')
+        if self.grids is not None:
+            if self.grid is not None or self.coords.dim() != 3 or len(self.grids) != self.coords.shape[0]:
+                raise ValueError(f'Positions.grids needs batched coordinates (B, N, D) with one grid per sample '
+                                 f'and grid=None; got {len(self.grids)} grids for coordinates '
+                                 f'{tuple(self.coords.shape)}, grid={self.grid}')
+            if any(len(g) != self.coords.shape[-1] or math.prod(g) > self.coords.shape[-2] for g in self.grids):
+                raise ValueError(f'Positions.grids {self.grids} must have {self.coords.shape[-1]} axes each and at '
+                                 f'most {self.coords.shape[-2]} tokens')
 
     @property
     def ndim(self) -> int:
@@ -79,6 +96,31 @@ class Positions:
     def device(self) -> torch.device:
         return self.coords.device
 
+    @property
+    def sample_grids(self) -> Optional[Tuple[Tuple[int, ...], ...]]:
+        """Each sample's grid: ``grids`` in a NaFlex batch, else ``grid`` once (shared by every sample),
+        None for point sets."""
+        if self.grids is not None:
+            return self.grids
+        return (self.grid,) if self.grid is not None else None
+
+    def sample(self, index: int) -> 'Positions':
+        """The positions of sample ``index`` alone, without padding (a NaFlex sample: its own grid)."""
+        if self.grids is not None:
+            return grid(*self.grids[index], num_prefix=self.num_prefix, train_grid=self.train_grid,
+                        device=self.device, dtype=self.coords.dtype)
+        if not self.batched:
+            return self
+        coords = self.coords[index]
+        if self.key_padding_mask is not None:
+            coords = coords[~self.key_padding_mask[index]]
+        view_index = self.view_index
+        if view_index is not None and view_index.dim() > 1:
+            view_index = view_index[index]
+            if self.key_padding_mask is not None:
+                view_index = view_index[~self.key_padding_mask[index]]
+        return self.replace(coords=coords, key_padding_mask=None, view_index=view_index)
+
     def replace(self, **changes: Any) -> 'Positions':
         """A copy with some fields changed."""
         return replace(self, **changes)
@@ -90,13 +132,14 @@ class Positions:
         """
         coords = self.coords if self.batched else self.coords.expand(keep.shape[0], -1, -1)
         coords = coords.gather(1, keep.unsqueeze(-1).expand(-1, -1, coords.shape[-1]))
-        return self.replace(coords=coords, grid=None)
+        return self.replace(coords=coords, grid=None, grids=None)
 
     def same_as(self, other: 'Positions') -> bool:
         """True when ``other`` describes the same tokens (used to reuse cached encoding state)."""
         if other is self:
             return True
-        if (self.num_prefix, self.grid, self.train_grid) != (other.num_prefix, other.grid, other.train_grid):
+        if (self.num_prefix, self.grid, self.train_grid, self.grids) != (
+                other.num_prefix, other.grid, other.train_grid, other.grids):
             return False
         if self.cameras is not other.cameras:
             return False
@@ -162,6 +205,46 @@ def grid(
     return Positions(coords=coords, num_prefix=num_prefix, grid=shape, train_grid=train)
 
 
+def naflex_grid(
+        grids: Sequence[Sequence[int]],
+        num_tokens: Optional[int] = None,
+        num_prefix: int = 0,
+        train_grid: Optional[Sequence[int]] = None,
+        device: Optional[torch.device] = None,
+        dtype: torch.dtype = torch.float32,
+) -> Positions:
+    """Positions of a native-resolution (NaFlex) batch: sample ``b`` is a grid of shape ``grids[b]``,
+    its tokens first in row-major order, padded with zero coordinates to ``num_tokens`` (default: the
+    largest grid's token count); ``key_padding_mask`` marks the padding.
+
+    Args:
+        grids: one grid shape per sample, e.g. ``[(20, 30), (14, 14), (32, 16)]``.
+        num_tokens: the padded token count (>= every grid's token count).
+        num_prefix: prefix tokens before each sample's grid tokens.
+        train_grid: the grid the model was trained at (``normalized`` modes rescale each sample to it).
+        device: device of the coordinates.
+        dtype: float dtype of the coordinates.
+    """
+    shapes = tuple(tuple(int(s) for s in g) for g in grids)
+    if not shapes or any(not g or any(s <= 0 for s in g) for g in shapes) or len({len(g) for g in shapes}) != 1:
+        raise ValueError(f'grids must be one or more shapes of positive integers with the same number of axes, '
+                         f'got {shapes}')
+    sizes = [math.prod(g) for g in shapes]
+    n = max(sizes) if num_tokens is None else int(num_tokens)
+    if n < max(sizes):
+        raise ValueError(f'num_tokens={n} is smaller than the largest grid ({max(sizes)} tokens)')
+    device = torch.device(device or 'cpu')
+    coords = torch.zeros(len(shapes), n, len(shapes[0]), device=device, dtype=dtype)
+    mask = torch.ones(len(shapes), n, dtype=torch.bool, device=device)
+    for b, (g, size) in enumerate(zip(shapes, sizes)):
+        coords[b, :size] = _build_grid_index(g, device, dtype)
+        mask[b, :size] = False
+    train = tuple(int(s) for s in train_grid) if train_grid is not None else None
+    if train is not None and len(train) != len(shapes[0]):
+        raise ValueError(f'train_grid {train} must have as many axes as the grids {shapes[0]}')
+    return Positions(coords=coords, num_prefix=num_prefix, train_grid=train, key_padding_mask=mask, grids=shapes)
+
+
 def points(coords: torch.Tensor, num_prefix: int = 0, **fields: Any) -> Positions:
     """Positions of an arbitrary point set (e.g. point-cloud or RGB-D tokens), ``(N, D)`` or ``(B, N, D)``."""
     coords = torch.as_tensor(coords)
@@ -175,12 +258,18 @@ def grid_coordinates(pos: Positions, mode: GridMode = 'index') -> torch.Tensor:
 
     ``index``: integer patch indices; a larger grid reaches larger coordinates (extrapolation).
     ``normalized``: indices rescaled per axis to the training grid, ``i * n_train / n``, so a larger
-    grid covers the trained range more densely (interpolation). Point sets are returned unchanged.
+    grid covers the trained range more densely (interpolation); in a NaFlex batch each sample against
+    its own grid. Point sets are returned unchanged.
     """
+    if mode not in ('index', 'normalized'):
+        raise ValueError(f"grid_mode must be one of ('index', 'normalized'), got {mode!r}")
+    if mode == 'normalized' and pos.grids is not None and pos.train_grid is not None:
+        # each sample against its own grid (padding rows stay 0)
+        scale = torch.tensor([[t / g for t, g in zip(pos.train_grid, shape)] for shape in pos.grids],
+                             device=pos.device, dtype=pos.coords.dtype)
+        return pos.coords * scale.unsqueeze(1)
     if mode == 'index' or pos.grid is None or pos.train_grid is None or pos.grid == pos.train_grid:
         return pos.coords
-    if mode != 'normalized':
-        raise ValueError(f"grid_mode must be one of ('index', 'normalized'), got {mode!r}")
     scale = torch.tensor([t / g for t, g in zip(pos.train_grid, pos.grid)], device=pos.device,
                          dtype=pos.coords.dtype)
     return pos.coords * scale
