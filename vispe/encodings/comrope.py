@@ -111,7 +111,10 @@ class _ComRoPE(RotationPE):
 
     # ----------------------------------------------------------------- positions
     def per_sample(self, pos: Positions) -> bool:
-        return self.training and self.jitter > 0 and token_grid(pos) is not None
+        return self.training and self.jitter > 0 and (pos.grids is not None or token_grid(pos) is not None)
+
+    def per_grid(self) -> bool:
+        return True  # a grid alone takes the factorised path (block > 2): rounding of its own
 
     def _grid_scale(self, pos: Positions, grid: Tuple[int, ...]) -> Tuple[List[float], List[float]]:
         """Per grid axis the divisor ``n`` of ``i + 0.5`` and the prefix tokens' coordinate (the centre).
@@ -132,15 +135,20 @@ class _ComRoPE(RotationPE):
         """Coordinates ``([B,] N', D)`` of the rotated rows and the number of identity rows before them.
 
         Grids: ``(i + 0.5 + jitter) / n`` per axis (jitter only when ``batch`` is given, i.e. in
-        training; ``n`` of the frame axis per ``time_scale``); point sets as given. Prefix tokens at
-        the centre (grid centre, or the points' mean) or identity.
+        training; ``n`` of the frame axis per ``time_scale``; in a NaFlex batch each sample's own);
+        point sets as given. Prefix tokens at the centre (grid centre, or the points' mean) or identity.
         """
         dtype = self.compute_dtype()
         grid = token_grid(pos)
         coords = pos.coords.to(dtype)
-        if grid is not None:
-            scale, middle = self._grid_scale(pos, grid)
-            denom = torch.tensor(scale, dtype=dtype, device=pos.device)
+        scales = None
+        if pos.grids is not None:  # NaFlex: each sample against its own grid, (B, 1, D)
+            per_sample = [self._grid_scale(pos, g) for g in pos.grids]
+            scales = [[s] for s, _ in per_sample], [[m] for _, m in per_sample]
+        elif grid is not None:
+            scales = self._grid_scale(pos, grid)
+        if scales is not None:
+            denom = torch.tensor(scales[0], dtype=dtype, device=pos.device)
             offset = 0.5
             if batch is not None:
                 coords = coords.expand(batch, *coords.shape[-2:]) if not pos.batched else coords
@@ -149,7 +157,7 @@ class _ComRoPE(RotationPE):
                     noise[..., 0] = 0
                 offset = offset + noise
             coords = (coords + offset) / denom
-            centre = torch.tensor(middle, dtype=dtype, device=pos.device)
+            centre = torch.tensor(scales[1], dtype=dtype, device=pos.device)
         else:
             centre = coords.mean(dim=-2, keepdim=True)
         if self.prefix == 'identity' or pos.num_prefix == 0:

@@ -6,7 +6,7 @@ skew-symmetric generators ``A_d``, block-diagonal with dense ``gd x gd`` blocks.
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import List, Literal, Optional, Tuple
 
 import torch
 from torch import nn
@@ -104,20 +104,34 @@ class LieRE(RotationPE):
         """Skew-symmetric blocks ``(D, L', H', hd // gd, gd, gd)`` in the compute dtype."""
         return skew_from_upper(self.generators.to(self.compute_dtype()), self.gd)
 
+    @staticmethod
+    def linspace_steps(grid: Tuple[int, ...], train: Tuple[int, ...]) -> List[float]:
+        """Per axis the step of ``linspace(0, n / n_train, n)``: ``(n / n_train) / (n - 1)``."""
+        return [n / t / (n - 1) if n > 1 else 0.0 for n, t in zip(grid, train)]
+
     def coordinates(self, pos: Positions) -> torch.Tensor:
         """Token coordinates in the configured convention, ``([B,] N, D)``."""
         grid = token_grid(pos)
-        if self.positions != 'linspace' or grid is None:
+        if self.positions == 'linspace' and pos.grids is not None:  # NaFlex: each sample's own grid
+            steps = [self.linspace_steps(g, pos.train_grid or g) for g in pos.grids]
+            coords = pos.coords * torch.tensor(steps, dtype=pos.coords.dtype, device=pos.device)[:, None]
+        elif self.positions != 'linspace' or grid is None:
             coords = grid_coordinates(pos, 'normalized' if self.positions == 'normalized' else 'index')
-        else:  # linspace(0, n / n_train, n) per axis: index * (n / n_train) / (n - 1)
-            train = pos.train_grid or grid
-            step = [n / t / (n - 1) if n > 1 else 0.0 for n, t in zip(grid, train)]
+        else:
+            step = self.linspace_steps(grid, pos.train_grid or grid)
             coords = pos.coords * torch.tensor(step, dtype=pos.coords.dtype, device=pos.device)
         check_axes('liere', coords, self.num_axes)
         return coords.to(self.compute_dtype())
 
+    def per_grid(self) -> bool:
+        # without gradients (eval: built once, cached) each NaFlex grid alone, hence exactly its own
+        # rotations; in training one batched build for all layers, each sample with its own squarings
+        return not (torch.is_grad_enabled() and self.generators.requires_grad)
+
     def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
-        return layerwise_exp(self.axis_generators(), self.coordinates(pos), pos.num_prefix)
+        # a NaFlex sample gets the squarings it needs alone, hence the same rotations as alone
+        return layerwise_exp(self.axis_generators(), self.coordinates(pos), pos.num_prefix,
+                             sample_squarings=pos.grids is not None)
 
     def extra_repr(self) -> str:
         return (f'gd={self.gd}, blocks={self.num_blocks}, axes={self.num_axes}, '

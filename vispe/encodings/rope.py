@@ -61,12 +61,19 @@ def _check_factor(name: str, scaling_factor: Optional[float]) -> Optional[float]
     return None if scaling_factor is None else check_positive(name, 'scaling_factor', scaling_factor)
 
 
-def _axis_factor(pos: Positions, axis: int, fixed: Optional[float]) -> Tuple[float, float]:
-    """(scaling factor, training length) of coordinate axis ``axis`` (in reversed order)."""
-    if pos.grid is None or pos.train_grid is None:
+def _axis_factor(grid: Optional[Tuple[int, ...]], train_grid: Optional[Tuple[int, ...]], axis: int,
+                 fixed: Optional[float]) -> Tuple[float, float]:
+    """(scaling factor, training length) of coordinate axis ``axis`` (in reversed order) at ``grid``."""
+    if grid is None or train_grid is None:
         return (fixed or 1.0), 1.0
-    g, t = pos.grid[::-1][axis], pos.train_grid[::-1][axis]
+    g, t = grid[::-1][axis], train_grid[::-1][axis]
     return (fixed if fixed is not None else g / t), float(t)
+
+
+def _sample_scaled(pos: Positions, scaling: str) -> bool:
+    """Whether frequencies are scaled per sample: a NaFlex batch (each sample against its own grid)
+    with a scaling method."""
+    return pos.grids is not None and scaling != 'none'
 
 
 @register_pe('rope_axial', family='rope')
@@ -131,16 +138,28 @@ class RopeAxial(PairRotaryPE):
             rot = rot.unsqueeze(-3)
         return rot.unsqueeze(0)  # one table for every layer
 
+    def scaled_frequencies(self, base: torch.Tensor, num_axes: int, grid: Optional[Tuple[int, ...]],
+                           train_grid: Optional[Tuple[int, ...]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Frequencies and magnitudes ``(D, P_a)`` of each axis (x first) scaled for ``grid``."""
+        freqs, mags = [], []
+        for a in range(num_axes):
+            factor, train_len = _axis_factor(grid, train_grid, a, self.scaling_factor)
+            f, mag = scale_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas)
+            freqs.append(f)
+            mags.append(torch.full_like(f, mag))
+        return torch.stack(freqs), torch.stack(mags)
+
     def angles(self, coords, pos):
         axes = coords.shape[-1]
         base = self.axis_frequencies(axes).to(device=coords.device, dtype=coords.dtype)
-        thetas, mags = [], []
-        for a in range(axes):
-            factor, train_len = _axis_factor(pos, a, self.scaling_factor)
-            freqs, mag = scale_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas)
-            thetas.append(coords[..., a:a + 1] * freqs)
-            mags.append(torch.full_like(freqs, mag))
-        return torch.cat(thetas, -1), torch.cat(mags, -1)
+        if _sample_scaled(pos, self.scaling):  # (B, 1, D, P_a): each sample scaled for its own grid
+            tables = [self.scaled_frequencies(base, axes, g, pos.train_grid or g) for g in pos.grids]
+            freqs = torch.stack([f for f, _ in tables]).unsqueeze(1)
+            mags = torch.stack([m for _, m in tables]).flatten(-2).unsqueeze(1)
+        else:
+            freqs, mags = self.scaled_frequencies(base, axes, pos.grid, pos.train_grid)
+            mags = mags.flatten()
+        return torch.cat([coords[..., a:a + 1] * freqs[..., a, :] for a in range(axes)], -1), mags
 
 
 @register_pe('rope_mixed', family='rope')
@@ -203,20 +222,34 @@ class RopeMixed(PairRotaryPE):
     def no_weight_decay(self) -> set:
         return {'freqs'}
 
+    def scaled_frequencies(self, axis: int, dtype: torch.dtype, grid: Optional[Tuple[int, ...]],
+                           train_grid: Optional[Tuple[int, ...]]) -> Tuple[torch.Tensor, float]:
+        """Frequencies ``(L, H, P)`` of coordinate axis ``axis`` (x first) scaled for ``grid``, and the
+        magnitude."""
+        factor, train_len = _axis_factor(grid, train_grid, axis, self.scaling_factor)
+        return scale_frequencies(self.freqs[axis].to(dtype), factor, self.scaling, train_len)
+
     def angles(self, coords, pos):
         if coords.shape[-1] != self.num_axes:
             raise ValueError(f"encoding 'rope_mixed' was built for {self.num_axes} coordinate axes, "
                              f"positions have {coords.shape[-1]}")
+        per_sample = _sample_scaled(pos, self.scaling)
         theta = 0
-        mag = 1.0
+        mag = [1.0] * len(pos.grids) if per_sample else 1.0
         for a in range(self.num_axes):
-            factor, train_len = _axis_factor(pos, a, self.scaling_factor)
-            freqs, m = scale_frequencies(self.freqs[a].to(coords.dtype), factor, self.scaling, train_len)
-            mag = max(mag, m)
-            # (L, H, P) x (..., N) -> (L, ..., H, N, P) with batch dims before heads
             c = coords[..., a]
-            f = freqs.reshape(freqs.shape[0], *([1] * (c.dim() - 1)), freqs.shape[1], 1, freqs.shape[2])
+            if per_sample:  # each sample scaled for its own grid: (L, B, H, 1, P)
+                scaled = [self.scaled_frequencies(a, coords.dtype, g, pos.train_grid or g) for g in pos.grids]
+                f = torch.stack([freqs for freqs, _ in scaled], 1).unsqueeze(-2)
+                mag = [max(m, s) for m, (_, s) in zip(mag, scaled)]
+            else:
+                freqs, m = self.scaled_frequencies(a, coords.dtype, pos.grid, pos.train_grid)
+                mag = max(mag, m)
+                # (L, H, P) x (..., N) -> (L, ..., H, N, P) with batch dims before heads
+                f = freqs.reshape(freqs.shape[0], *([1] * (c.dim() - 1)), freqs.shape[1], 1, freqs.shape[2])
             theta = theta + c.unsqueeze(-1).unsqueeze(-3) * f
+        if per_sample:  # (B, 1, 1, 1): broadcast against (L, B, H, N, P)
+            mag = torch.tensor(mag, dtype=coords.dtype, device=coords.device).reshape(-1, 1, 1, 1)
         return theta, mag
 
     def rotation(self, pos: Positions, batch: Optional[int] = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ..rotary import RotationPE, RotationState
 from ..rotary.autograd import angle_tables
-from ..rotary.base import check_axes, heads_and_layers, require_divisible
+from ..rotary.base import check_axes, heads_and_layers, require_divisible, shared_sample_grid
 from ..rotary.expm import axis_sum, skew_from_upper
 from .._dtypes import compute_dtype
 from ..rotary.kernels import pad_identity
@@ -98,7 +98,11 @@ class StringCayley(RotationPE):
         return torch.linalg.solve(eye + s, eye - s)
 
     def angles(self, pos: Positions) -> torch.Tensor:
-        """RoPE-Mixed's angles ``(L, [B,] H, N_total, hd / 2)`` (x first), 0 for prefix tokens."""
+        """RoPE-Mixed's angles ``(L, [B,] H, N_total, hd / 2)`` (x first), 0 for prefix tokens (and for
+        the padding of a NaFlex batch)."""
+        shared = shared_sample_grid(pos)
+        if shared is not None:  # a NaFlex batch of one grid: that grid's angles, shared by the batch
+            return pad_identity(self.angles(shared), 0, 'pair', after=pos.num_tokens - shared.num_tokens)
         coords = grid_coordinates(pos, self.rope.grid_mode).flip(-1)
         theta, _ = self.rope.angles(coords.to(compute_dtype(self.skew)), pos)
         return pad_identity(theta, pos.num_prefix, 'pair')

@@ -28,7 +28,7 @@ forward with timm's own sampler. The rotation itself is vispe's pair rotation (f
 from __future__ import annotations
 
 import math
-from typing import Dict, Literal, Optional, Tuple
+from typing import Dict, Literal, Optional, Tuple, Union
 
 import torch
 from timm.layers.pos_embed_sincos import _apply_coord_augs, freq_bands, init_random_2d_freqs
@@ -44,6 +44,7 @@ from .base import PEContext
 __all__ = ['TimmRope']
 
 RopeType = Literal['cat', 'mixed', 'dinov3', 'mrope']
+Size = Union[int, torch.Tensor]  # a grid size, or each sample's in a NaFlex batch
 
 
 @register_pe('rope_timm', family='rope')
@@ -144,17 +145,23 @@ class TimmRope(RotationPE):
         return {'freqs': freqs.detach()}
 
     # ------------------------------------------------------------------ angles
-    def _axes(self, pos: Positions) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        """Coordinates ``(..., N, 2)`` in timm's axis order and the grid size along those axes."""
+    def _axes(self, pos: Positions) -> Tuple[torch.Tensor, Tuple[Size, Size]]:
+        """Coordinates ``(..., N, 2)`` in timm's axis order and the grid size along those axes (in a
+        NaFlex batch each sample's own, as ``(B, 1)`` tensors)."""
         if pos.ndim != 2:
             raise ValueError(f"encoding 'rope_timm' needs 2D positions, got {pos.ndim} axes")
+        coords = pos.coords.float()
+        if self.grid_indexing == 'xy':
+            coords = coords.flip(-1)
+        if pos.grids is not None:
+            sizes = torch.tensor(pos.grids, dtype=coords.dtype, device=coords.device)[:, None, :]  # (B, 1, 2)
+            if self.grid_indexing == 'xy':
+                sizes = sizes.flip(-1)
+            return coords, (sizes[..., 0], sizes[..., 1])
         grid = pos.grid or pos.train_grid or self.ctx.grid_size  # token dropping keeps no grid
         if grid is None:
             raise ValueError("encoding 'rope_timm' needs grid positions (vispe.positions.grid)")
-        coords = pos.coords.float()
-        if self.grid_indexing == 'xy':
-            return coords.flip(-1), (grid[1], grid[0])
-        return coords, (grid[0], grid[1])
+        return coords, ((grid[1], grid[0]) if self.grid_indexing == 'xy' else (grid[0], grid[1]))
 
     def _coordinates(self, pos: Positions) -> torch.Tensor:
         t, size = self._axes(pos)
@@ -165,9 +172,12 @@ class TimmRope(RotationPE):
                 t = torch.stack([t[..., a] / size[a] * ref[a] for a in range(2)], -1)
         elif self.rope_type == 'dinov3':
             if self.normalize_coords == 'separate':
-                denom = [float(s) for s in size]
+                denom = [s if torch.is_tensor(s) else float(s) for s in size]
             else:
-                denom = [float(max(size) if self.normalize_coords == 'max' else min(size))] * 2
+                pick = torch.maximum if self.normalize_coords == 'max' else torch.minimum
+                both = pick(*size) if torch.is_tensor(size[0]) else float(
+                    max(size) if self.normalize_coords == 'max' else min(size))
+                denom = [both] * 2
             t = torch.stack([(t[..., a] + 0.5 + self.grid_offset) / denom[a] for a in range(2)], -1)
             t = 2.0 * t - 1.0
         if self.training and any(v is not None for v in self.augment.values()):

@@ -10,6 +10,15 @@ build one token set's rotations (`rotation`); the ``qk`` hook applies them throu
 
 Rotations that depend on the batch (training-time position jitter) are built on the first ``qk``
 call of a forward, once the batch size is known (`LazyRotations`), and then shared by every layer.
+
+Native-resolution (NaFlex) batches (`Positions.grids`: one grid per sample, padded): when every
+sample has the same grid, the rotations are that grid's, shared by the batch as in a plain batch,
+with identity rows for the padding tokens; with several grids, per-sample rotations
+``(L', B, H', N, ...)``, either from per-sample coordinates (the subclass's `rotation` of the whole
+batch) or, where a grid's rotations depend on more than each token's coordinates (a grid-wide
+squaring count, a factorised grid path: `RotationPE.per_grid`), built for each distinct grid as
+for that grid alone and gathered per sample. Padding tokens get the identity; the host masks them
+as keys.
 """
 from __future__ import annotations
 
@@ -22,9 +31,10 @@ from ..encodings.base import PEContext, PositionalEncoding
 from ..positions import Positions
 from .autograd import angle_tables, rotate_qk
 from .expm import Rotations
+from .kernels import pad_identity
 
 __all__ = ['RotationPE', 'RotationState', 'LazyRotations', 'check_axes', 'check_head_dim', 'heads_and_layers',
-           'require_divisible', 'token_grid']
+           'require_divisible', 'shared_sample_grid', 'token_grid', 'pad_tokens']
 
 Layers = Tuple[Any, ...]  # one entry per layer (or one shared by all): a tensor, or a tuple for multi-parameter kinds
 
@@ -63,7 +73,8 @@ class RotationPE(PositionalEncoding):
     (per-layer tensors: indexing a layer of one tensor would make its backward build a full-size
     gradient for every layer); ``batch`` is given only when `per_sample` is true. ``rotation_kind``
     names how they are applied (`autograd.KINDS`), ``rotation_block`` the FFT block of kind
-    ``fourier``. Angles (kinds ``pair``, ``fourier``) become their complex tables in eval.
+    ``fourier``. Angles (kinds ``pair``, ``fourier``) become their complex tables in eval. `rotation`
+    handles NaFlex batches (per-sample coordinates) unless `per_grid` says otherwise.
     """
     shift_invariant = True
     rotation_kind: str = 'block'
@@ -76,15 +87,55 @@ class RotationPE(PositionalEncoding):
     def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
         raise NotImplementedError
 
+    def per_grid(self) -> bool:
+        """True when a NaFlex batch of several grids gets each distinct grid's rotations built as for that
+        grid alone (then gathered per sample) rather than `rotation` of the whole batch: for rotations
+        whose rounding depends on the other samples (a squaring count, a product's blocking)."""
+        return False
+
     def compute_dtype(self) -> torch.dtype:
         """float32 for float32 / half parameters, float64 for float64 ones (exactness tests)."""
         p = next(self.parameters(), None)
         return compute_dtype(p) if p is not None else torch.float32
 
     def _layers(self, pos: Positions, batch: Optional[int]) -> Layers:
+        if pos.grids is not None and batch is None:
+            shared = shared_sample_grid(pos)
+            if shared is not None:  # one grid: its rotations, shared by the batch, padding rows identity
+                layers = pad_tokens(self._rotation_layers(shared, None), pos.num_tokens, self.rotation_kind)
+                return self._angle_tables(layers)
+            if self.per_grid():
+                return self._angle_tables(self._per_grid_layers(pos))
+        return self._angle_tables(self._rotation_layers(pos, batch))
+
+    def _rotation_layers(self, pos: Positions, batch: Optional[int]) -> Layers:
         rot = self.rotation(pos, batch)
-        layers = rot.unbind(0) if torch.is_tensor(rot) else tuple(rot)
+        return rot.unbind(0) if torch.is_tensor(rot) else tuple(rot)
+
+    def _angle_tables(self, layers: Layers) -> Layers:
         return angle_tables(layers) if self.rotation_kind in ('pair', 'fourier') else layers
+
+    def _per_grid_layers(self, pos: Positions) -> Layers:
+        """Per-sample rotations ``(B, H', N_total, ...)`` per layer of a NaFlex batch: each distinct
+        grid's rotations built as for that grid alone, padded with identity rows and gathered per sample
+        (block kinds laid out position-major, as q and k lie in attention)."""
+        first = {}  # grid -> its group number
+        group = [first.setdefault(g, len(first)) for g in pos.grids]
+        samples = {g: pos.sample(pos.grids.index(g)) for g in first}
+        per_grid = [self._rotation_layers(samples[g], None) for g in first]
+        index = torch.tensor(group, device=pos.device)
+        block = self.rotation_kind in ('block', 'matrix')
+        token_axis = -4 if block else -2
+        layers = []
+        for parts in zip(*per_grid):
+            parts = pad_tokens(parts, pos.num_tokens, self.rotation_kind)
+            # ([H',] N, ...) -> (H', N, ...): a head axis to broadcast over, the batch goes before it
+            parts = [p if p.dim() > -token_axis else p.unsqueeze(0) for p in parts]
+            if block:  # (G, N, H', nb, b, b) -> (B, H', N, nb, b, b), position-major
+                layers.append(torch.stack([p.movedim(-4, 0) for p in parts]).index_select(0, index).movedim(1, -4))
+            else:
+                layers.append(torch.stack(parts).index_select(0, index))
+        return tuple(layers)
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Union[RotationState, LazyRotations]:
         def build(batch: Optional[int]) -> RotationState:
@@ -126,9 +177,25 @@ def check_head_dim(name: str, head_dim: int, multiple: int, why: str) -> None:
         raise ValueError(f'encoding {name!r} needs head_dim divisible by {multiple} ({why}), got head_dim={head_dim}')
 
 
+def shared_sample_grid(pos: Positions) -> Optional[Positions]:
+    """In a NaFlex batch whose samples all have the same grid: that grid's positions alone (every sample
+    then has the same rotations, only the padding differs); else None."""
+    if pos.grids is None or any(g != pos.grids[0] for g in pos.grids):
+        return None
+    return pos.sample(0)
+
+
+def pad_tokens(layers: Layers, num_tokens: int, kind: str) -> Layers:
+    """Per-layer rotations of ``N_total`` tokens with identity rows appended up to ``num_tokens`` (the
+    padding tokens of a NaFlex batch)."""
+    axis = -4 if kind in ('block', 'matrix') else -2
+    return tuple(pad_identity(r, 0, kind, after=num_tokens - r.shape[axis]) for r in layers)
+
+
 def token_grid(pos: Positions) -> Optional[Tuple[int, ...]]:
     """The grid the (non-prefix) coordinates index: ``pos.grid``; after token selection (patch dropout
-    keeps integer indices but drops the grid) the training grid; None for point sets."""
+    keeps integer indices but drops the grid) the training grid; None for point sets. A NaFlex batch
+    has one grid per sample instead (`Positions.sample_grids`): callers handle ``pos.grids`` first."""
     if pos.grid is not None:
         return pos.grid
     return pos.train_grid

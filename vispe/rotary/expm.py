@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -50,9 +50,10 @@ def _squarings_readable(t: torch.Tensor) -> bool:
     return not (t.is_meta or is_tracing())
 
 
-def _num_squarings(bound: torch.Tensor, degree: int, dtype: torch.dtype) -> int:
-    """``s`` with ``bound / 2^s <= theta_m`` (one host sync; the whole batch shares ``s``)."""
-    return max(0, math.ceil(math.log2(max(bound.item(), 1e-300) / _taylor_theta(degree, dtype))))
+def _num_squarings(bound: Union[torch.Tensor, float], degree: int, dtype: torch.dtype) -> int:
+    """``s`` with ``bound / 2^s <= theta_m`` (a tensor: one host sync; the whole batch shares ``s``)."""
+    bound = bound.item() if torch.is_tensor(bound) else bound
+    return max(0, math.ceil(math.log2(max(bound, 1e-300) / _taylor_theta(degree, dtype))))
 
 
 def skew(p: torch.Tensor) -> torch.Tensor:
@@ -308,20 +309,44 @@ def _poly_degree(num_axes: int) -> int:
     return _TAYLOR_DEGREE if num_axes < 3 else 10
 
 
-def _squarings(gen: torch.Tensor, coords: torch.Tensor) -> int:
-    """Squarings that bring every ``sum_d p_d A_d`` within the Taylor polynomial's range (one host sync):
+def _position_bounds(gen: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+    """Bounds of ``||sum_d p_d A_d||_2`` at every position, ``(..., N, L' H' nb)``:
     ``||sum_d p_d A_d||_2 <= sum_d |p_d| ||A_d||_2`` and ``||A||_2 <= ||A^4||_F^(1/4)``."""
     num_axes = gen.shape[0]
     with torch.no_grad():
         g = gen.reshape(num_axes, -1, *gen.shape[-2:])
         g2 = g @ g
         rho = (g2 @ g2).flatten(-2).norm(dim=-1).pow(0.25)  # (D, L' H' nb)
-        bound = (coords.reshape(-1, num_axes).abs() @ rho).amax()
+        return coords.abs() @ rho
+
+
+def _squarings(gen: torch.Tensor, coords: torch.Tensor) -> int:
+    """Squarings that bring every ``sum_d p_d A_d`` within the Taylor polynomial's range (one host sync)."""
+    num_axes = gen.shape[0]
+    bound = _position_bounds(gen, coords.reshape(-1, num_axes)).amax()
     return _num_squarings(bound, _poly_degree(num_axes), gen.dtype)
 
 
-def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int] = None, num_prefix: int = 0
-               ) -> torch.Tensor:
+def _sample_groups(gen: torch.Tensor, coords: torch.Tensor) -> Dict[int, List[int]]:
+    """Samples of batched ``coords`` ``(B, N, D)`` grouped by the squarings each needs alone (one host
+    sync): `_squarings` of every sample's own positions (padding rows, at 0, bound nothing)."""
+    bounds = _position_bounds(gen, coords).flatten(1).amax(1)  # (B,)
+    groups: Dict[int, List[int]] = {}
+    for b, bound in enumerate(bounds.tolist()):
+        groups.setdefault(_num_squarings(bound, _poly_degree(gen.shape[0]), gen.dtype), []).append(b)
+    return groups
+
+
+def _regroup(parts: Sequence[torch.Tensor], groups: Sequence[List[int]]) -> torch.Tensor:
+    """Rotations ``(L', B_g, H', N, nb, b, b)`` of sample groups back in sample order ``(L', B, ...)``,
+    position-major like each part."""
+    order = torch.tensor([b for members in groups for b in members], device=parts[0].device)
+    joined = torch.cat([p.transpose(-5, -4) for p in parts], dim=1)  # (L', B, N, H', nb, b, b)
+    return joined.index_select(1, torch.argsort(order)).transpose(-5, -4)
+
+
+def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int] = None, num_prefix: int = 0,
+               sample_squarings: bool = False) -> torch.Tensor:
     """``R(p) = exp(sum_d p_d A_d)`` for every position: gen ``(D, L', H', nb, b, b)`` skew blocks,
     coords ``([B,] N, D)``; ``num_prefix`` identity rotations (prefix tokens) come first.
 
@@ -329,30 +354,50 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int]
     ``pair``: interleaved channel pairs are the consecutive 2 x 2 blocks). ``b > 2``: real blocks
     ``(L', [B,] H', N, nb, b, b)`` by scaling and squaring, the Taylor part evaluated for all positions
     by one GEMM over monomials of the coordinates (up to three axes; more axes exponentiate each
-    position), with ``squarings`` squarings (default: from a norm bound). With gradients on, the
-    result is recomputed in backward rather than keeping the squarings' intermediates.
+    position), with ``squarings`` squarings (default: from a norm bound over all positions; with
+    ``sample_squarings``, each sample of batched coords with the squarings it needs alone, so that it
+    gets the same rotations as alone: a NaFlex batch). With gradients on, the result is recomputed in
+    backward rather than keeping the squarings' intermediates.
     """
     if gen.shape[-1] == 2:
         return pad_identity(axis_sum(coords, gen[..., 1, 0]), num_prefix, 'pair')
     num_axes = gen.shape[0]
     if num_axes > _MAX_POLY_AXES or not _squarings_readable(gen):
         return pad_identity(expm_skew(axis_sum(coords, gen).contiguous()), num_prefix, 'block')
-    squarings = _squarings(gen, coords) if squarings is None else squarings
     degree = _poly_degree(num_axes)
+    if sample_squarings and squarings is None and coords.dim() == 3:
+        groups = _sample_groups(gen, coords)
+        if len(groups) > 1:
+            parts = [_LinearExpBlocks.apply(gen, _monomials(coords[members], s, degree), s, degree, num_prefix)
+                     for s, members in groups.items()]
+            return _regroup(parts, list(groups.values()))
+        squarings = next(iter(groups))
+    squarings = _squarings(gen, coords) if squarings is None else squarings
     return _LinearExpBlocks.apply(gen, _monomials(coords, squarings, degree), squarings, degree, num_prefix)
 
 
-def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0) -> Rotations:
+def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0, sample_squarings: bool = False
+                  ) -> Rotations:
     """`linear_exp` with ``num_prefix`` identity rows prepended, for the state of a `RotationPE`.
 
     In training with ``b > 2`` each layer is computed (and recomputed in backward) on its own, so the
     backward pass holds one layer's scaling-and-squaring intermediates at a time, not all of them;
-    the number of squarings and the positions' Taylor coefficients are found once for all layers.
+    the number of squarings and the positions' Taylor coefficients are found once for all layers
+    (per group of samples with ``sample_squarings``, see `linear_exp`).
     """
     if gen.shape[-1] == 2 or not (torch.is_grad_enabled() and gen.requires_grad):
-        return linear_exp(gen, coords, num_prefix=num_prefix)
+        return linear_exp(gen, coords, num_prefix=num_prefix, sample_squarings=sample_squarings)
     if gen.shape[0] > _MAX_POLY_AXES or not _squarings_readable(gen):
         return [linear_exp(g, coords, num_prefix=num_prefix)[0] for g in gen.split(1, dim=1)]
-    squarings, degree = _squarings(gen, coords), _poly_degree(gen.shape[0])
-    coef = _monomials(coords, squarings, degree)  # the same for every layer
-    return [_LinearExpBlocks.apply(g, coef, squarings, degree, num_prefix)[0] for g in gen.split(1, dim=1)]
+    degree = _poly_degree(gen.shape[0])
+    groups = _sample_groups(gen, coords) if sample_squarings and coords.dim() == 3 else {}
+    if len(groups) <= 1:  # one squaring count for all positions
+        groups = {next(iter(groups)) if groups else _squarings(gen, coords): None}
+    # the Taylor coefficients of each group, the same for every layer
+    coefs = [(s, _monomials(coords if members is None else coords[members], s, degree))
+             for s, members in groups.items()]
+    layers = []
+    for g in gen.split(1, dim=1):
+        parts = [_LinearExpBlocks.apply(g, coef, s, degree, num_prefix) for s, coef in coefs]
+        layers.append(parts[0][0] if len(parts) == 1 else _regroup(parts, list(groups.values()))[0])
+    return layers

@@ -45,28 +45,34 @@ def unit_table(angle: torch.Tensor) -> torch.Tensor:
     return angle if angle.is_complex() else rotation_table(angle)
 
 
-def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str) -> torch.Tensor:
-    """Prepend identity rotations for ``num_prefix`` prefix tokens along the token axis: ones of a
-    complex table (kinds ``table`` / ``half_table``, ``(..., N, P)``), zero angles (``pair`` /
-    ``fourier``, ``(..., N, P)``), identity ``b x b`` blocks (``block`` / ``matrix``,
-    ``(..., N, nb, b, b)``, keeping ``rot``'s memory layout)."""
-    if num_prefix == 0:
+def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str, after: int = 0) -> torch.Tensor:
+    """Prepend identity rotations for ``num_prefix`` prefix tokens along the token axis (and append
+    ``after`` more: the padding tokens of a NaFlex sample): ones of a complex table (kinds ``table`` /
+    ``half_table``, ``(..., N, P)``), zero angles (``pair`` / ``fourier``, ``(..., N, P)``), identity
+    ``b x b`` blocks (``block`` / ``matrix``, ``(..., N, nb, b, b)``, keeping ``rot``'s memory layout)."""
+    if num_prefix == 0 and after == 0:
         return rot
     if kind in ('block', 'matrix'):
         shape = list(rot.shape)
-        shape[-4] += num_prefix
+        shape[-4] += num_prefix + after
         order = sorted(range(rot.dim()), key=lambda d: -rot.stride(d))  # rot's memory order
         out = rot.new_empty([shape[d] for d in order]).permute(*sorted(range(rot.dim()), key=order.__getitem__))
-        out.narrow(-4, 0, num_prefix).copy_(torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device))
+        eye = torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device)
+        out.narrow(-4, 0, num_prefix).copy_(eye)
         out.narrow(-4, num_prefix, rot.shape[-4]).copy_(rot)
+        out.narrow(-4, num_prefix + rot.shape[-4], after).copy_(eye)
         return out
     if kind not in ('table', 'half_table', 'pair', 'fourier'):
         raise ValueError(f"kind must be one of ('table', 'half_table', 'pair', 'fourier', 'block', 'matrix'), "
                          f'got {kind!r}')
-    shape = list(rot.shape)
-    shape[-2] = num_prefix
-    fill = rot.new_ones(shape) if kind in ('table', 'half_table') else rot.new_zeros(shape)
-    return torch.cat([fill, rot], dim=-2)
+
+    def fill(count: int) -> torch.Tensor:
+        shape = list(rot.shape)
+        shape[-2] = count
+        return rot.new_ones(shape) if kind in ('table', 'half_table') else rot.new_zeros(shape)
+
+    parts = ([fill(num_prefix)] if num_prefix else []) + [rot] + ([fill(after)] if after else [])
+    return torch.cat(parts, dim=-2)
 
 
 def block_matrices(mats: torch.Tensor, channels: int, batched: bool, num_prefix: int = 0) -> torch.Tensor:
