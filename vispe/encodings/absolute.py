@@ -41,7 +41,8 @@ class LearnedPE(AdditivePE):
     The parameter is ``pos_embed`` of shape ``(1, prefix + h * w, C)`` (prefix rows only when
     ``embed_prefix``, timm's ``no_embed_class=False``), initialised with a truncated normal of std
     0.02, so timm ViT checkpoints load unchanged. Other grids resample the table with timm's
-    `resample_abs_pos_embed` (bicubic, antialiased: what timm does with ``dynamic_img_size``).
+    `resample_abs_pos_embed` (bicubic, antialiased: what timm does with ``dynamic_img_size``); in a
+    NaFlex batch each sample gets the table resampled to its own grid (once per distinct grid).
 
     Args:
         interpolation: resampling mode for other grids.
@@ -121,13 +122,22 @@ class LearnedPE(AdditivePE):
         self.pos_embed = nn.Parameter(table, requires_grad=self.pos_embed.requires_grad)
         super().set_grid_size(grid_size)
 
-    def _rows(self, pos: Positions) -> torch.Tensor:
-        grid = _require_grid(self.name, pos)
+    def _grid_table(self, grid: Tuple[int, ...], num_prefix: int) -> torch.Tensor:
+        """The table resampled to ``grid``, with the prefix rows of the first ``num_prefix`` tokens."""
         if len(grid) != len(self.ctx.grid_size):
             raise ValueError(f"encoding 'learned' was built for a {len(self.ctx.grid_size)}D grid, got grid {grid}")
         table = self._resample(self.pos_embed, grid, self.ctx.grid_size)
-        surplus = self.num_table_prefix - pos.num_prefix  # table rows for prefix tokens pos does not have
+        surplus = self.num_table_prefix - num_prefix  # table rows for prefix tokens the sequence lacks
         return table[:, surplus:] if surplus > 0 else table
+
+    def _rows(self, pos: Positions) -> torch.Tensor:
+        if pos.grids is None:
+            return self._grid_table(_require_grid(self.name, pos), pos.num_prefix)
+        # NaFlex: one resampling per distinct grid (as timm's NaFlexVit), each sample's rows padded
+        n = pos.coords.shape[-2]
+        tables = {g: F.pad(self._grid_table(g, pos.num_prefix), (0, 0, 0, n - math.prod(g)))
+                  for g in dict.fromkeys(pos.grids)}
+        return torch.cat([tables[g] for g in pos.grids])
 
     def encode(self, coords: torch.Tensor) -> torch.Tensor:
         """The table sampled at continuous grid coordinates ``(..., D)`` (``(row, col)`` or ``(t, row,

@@ -35,14 +35,16 @@ class AdditivePE(PositionalEncoding):
     A subclass implements `_rows`: the embedding of the *last* tokens of ``pos``, ``([B,] n, C)``:
     all grid or point tokens, and the prefix tokens it has rows for (timm's learned table has a
     class-token row); the tokens before them get zeros. `embedding` returns ``(B | 1, N_total, C)``.
+    In a NaFlex batch (``pos.grids``) the rows are ``(B, n, C)``: each sample's rows are those it
+    gets alone (from its own grid), followed by rows for its padding tokens, which attention masks.
 
     Cache: `_table_key` names positions whose embedding is a function of the key alone (by default
-    a grid; DETR's sine encoding asks for one without padding); their embedding is kept in a small
-    LRU (`cache_size` entries) keyed also by the device, inference mode and the versions of the
-    parameters and buffers, so an optimiser step or a loaded state dict is seen. Encodings with
-    trainable parameters cache only where autograd is off; nothing is kept while tracing (fake
-    tensors), and `clear_cache`, `train`, `_apply` (device or dtype moves) and `set_grid_size` empty
-    it.
+    a grid or the grids of a NaFlex batch; DETR's sine encoding asks for a grid without padding);
+    their embedding is kept in a small LRU (`cache_size` entries) keyed also by the device,
+    inference mode and the versions of the parameters and buffers, so an optimiser step or a loaded
+    state dict is seen. Encodings with trainable parameters cache only where autograd is off;
+    nothing is kept while tracing (fake tensors), and `clear_cache`, `train`, `_apply` (device or
+    dtype moves) and `set_grid_size` empty it.
 
     Every additive encoding is also a coordinate map: `encode` ``(..., D) -> (..., out_dim)`` gives
     the features of continuous coordinates, by default ``embedding(points(coords))``.
@@ -61,10 +63,11 @@ class AdditivePE(PositionalEncoding):
 
     def _table_key(self, pos: Positions) -> Optional[Hashable]:
         """What the embedding of ``pos`` depends on besides the module, or None when it cannot be
-        cached. Default: the grid when ``pos`` is one (its coordinates are then the grid indices)."""
-        if pos.grid is None or pos.cameras is not None:  # point sets and camera rays carry their own values
+        cached. Default: the grid, or the tuple of grids of a NaFlex batch, when ``pos`` has one (its
+        coordinates are then the grid indices, padded to the token count)."""
+        if pos.sample_grids is None or pos.cameras is not None:  # point sets and rays carry their own values
             return None
-        return pos.grid, pos.train_grid, pos.num_prefix, tuple(pos.coords.shape), pos.coords.dtype
+        return pos.grid, pos.grids, pos.train_grid, pos.num_prefix, tuple(pos.coords.shape), pos.coords.dtype
 
     # ----------------------------------------------------------------- shared mechanics
     def _build(self, pos: Positions) -> torch.Tensor:

@@ -34,12 +34,15 @@ GridRange = Literal['unit', 'signed']
 
 def unit_coordinates(pos: Positions, grid_range: GridRange = 'unit') -> torch.Tensor:
     """Continuous coordinates of ``pos``: pixel centres ``(i + 0.5) / n`` of a grid in ``[0, 1]``
-    (or mapped to ``[-1, 1]`` with ``'signed'``); point sets unchanged."""
+    (or mapped to ``[-1, 1]`` with ``'signed'``), in a NaFlex batch each sample's over its own grid;
+    point sets unchanged."""
     if grid_range not in ('unit', 'signed'):
         raise ValueError(f"grid_range must be 'unit' or 'signed', got {grid_range!r}")
-    if pos.grid is None:
+    if pos.sample_grids is None:
         return pos.coords
-    size = torch.tensor(pos.grid, dtype=pos.coords.dtype, device=pos.device)
+    # (D,) for one grid, (B, 1, D) per sample in a NaFlex batch
+    size = torch.tensor(pos.grid if pos.grids is None else [[g] for g in pos.grids], dtype=pos.coords.dtype,
+                        device=pos.device)
     unit = (pos.coords + 0.5) / size
     return unit if grid_range == 'unit' else 2 * unit - 1
 

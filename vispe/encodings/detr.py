@@ -59,6 +59,8 @@ class DetrSine(AdditivePE):
 
     Without padding the rows and columns are separable: the table is built from ``h + w`` per-axis
     features and cached per grid (bitwise equal to the cumulative-sum path, which padded batches take).
+    In a NaFlex batch (``Positions.grids``) each sample is an unpadded image of its own grid, counted
+    and normalised over that grid (its padding tokens follow it in the sequence).
 
     ``normalize=True`` is what DETR builds (``PositionEmbeddingSine(N_steps, normalize=True)``),
     although the class default there is False.
@@ -102,11 +104,14 @@ class DetrSine(AdditivePE):
         return counts / (extent + self.eps) * self.scale if self.normalize else counts
 
     def _table_key(self, pos: Positions) -> Optional[Hashable]:
-        # without padding the table depends on the grid alone; padded batches are built afresh
+        # without padding (or in a NaFlex batch) the table depends on the grids alone; padded images
+        # are built afresh
         mask = pos.key_padding_mask
-        return super()._table_key(pos) if mask is None or not bool(mask.any()) else None
+        return super()._table_key(pos) if pos.grids is not None or mask is None or not bool(mask.any()) else None
 
     def _rows(self, pos: Positions) -> torch.Tensor:
+        if pos.grids is not None:
+            return self._naflex_rows(pos)
         not_mask = _grid_mask(pos, self.name)
         if pos.key_padding_mask is None or bool(not_mask.all()):
             # no padding: rows and columns are separable, h + w per-axis features
@@ -121,6 +126,16 @@ class DetrSine(AdditivePE):
         y_embed = self._normalized(y_embed, y_embed[:, -1:, :])
         x_embed = self._normalized(x_embed, x_embed[:, :, -1:])
         return torch.cat((self.features(y_embed), self.features(x_embed)), dim=3).flatten(1, 2)
+
+    def _naflex_rows(self, pos: Positions) -> torch.Tensor:
+        """``(B, N, dim)``: each sample counted and normalised over its own grid (a sample of a NaFlex
+        batch is an image without padding), the operations of the unpadded path element by element."""
+        if len(pos.grids[0]) != 2:
+            raise ValueError(f"encoding 'detr_sine' needs 2D grids (h, w), got grids={pos.grids}")
+        counts = pos.coords.float() + 1  # (row, col) indices -> cumulative counts of real tokens
+        extent = torch.tensor(pos.grids, dtype=torch.float32, device=pos.device).unsqueeze(1)
+        p = self._normalized(counts, extent)
+        return torch.cat([self.features(p[..., 0]), self.features(p[..., 1])], dim=-1)
 
     def encode(self, coords: torch.Tensor) -> torch.Tensor:
         """DETR's features of continuous ``(..., 2)`` (y, x) positions, already in the units `features`
@@ -166,8 +181,8 @@ class DetrLearned(AdditivePE):
         if pos.ndim != 2:
             raise ValueError(f"encoding 'detr_learned' needs 2D (row, col) positions, got {pos.ndim} axes")
         index = pos.coords.round().long()
-        if pos.grid is not None:  # integer indices by construction: the range is known without reading them
-            lo, hi = 0, max(pos.grid) - 1
+        if pos.sample_grids is not None:  # integer indices by construction: the range is known without reading them
+            lo, hi = 0, max(max(g) for g in pos.sample_grids) - 1
         else:
             if not torch.equal(index.to(pos.coords.dtype), pos.coords):
                 raise ValueError("encoding 'detr_learned' needs integer grid coordinates (vispe.positions.grid)")

@@ -37,9 +37,10 @@ def pape_coordinates(pos: Positions, start: float = 1.0, grid_mode: GridMode = '
 
     Grid tokens: indices plus ``start`` (1: the first patch is at (1, 1)), in the released code's
     order: ``(col, row)`` for an image (its image classifier), ``(t, row, col)`` for video (its video
-    classifier); point sets: their coordinates as given. Prefix tokens sit at the origin.
+    classifier), in a NaFlex batch each sample's on its own grid; point sets: their coordinates as
+    given. Prefix tokens sit at the origin.
     """
-    if pos.grid is not None:
+    if pos.sample_grids is not None:
         coords = grid_coordinates(pos, grid_mode)
         coords = at_least_float32(coords.flip(-1) if pos.ndim == 2 else coords) + start
     else:
@@ -111,7 +112,12 @@ class _Parabolic(PositionalEncoding):
         r_k = r_q if pos_k is None else pape_coordinates(pos_k, self.start, self.grid_mode)
         npk = pos_k_or_q.num_prefix
         grid_part = r_k[..., npk:, :] if r_k.shape[-2] > npk else r_k
-        center = grid_part.mean(dim=-2, keepdim=True)
+        if pos_k_or_q.grids is not None:  # NaFlex: each sample's mean over its own tokens, not its padding
+            sizes = torch.tensor([math.prod(g) for g in pos_k_or_q.grids], device=r_k.device)
+            real = torch.arange(grid_part.shape[-2], device=r_k.device) < sizes[:, None]
+            center = (grid_part * real.unsqueeze(-1)).sum(dim=-2, keepdim=True) / sizes.view(-1, 1, 1).to(r_k.dtype)
+        else:
+            center = grid_part.mean(dim=-2, keepdim=True)
         if center.dim() == 3 and r_q.dim() == 2:
             r_q = r_q.unsqueeze(0)
         if center.dim() == 3 and r_k.dim() == 2:

@@ -6,6 +6,7 @@ the encoding is conditioned on the input and works at any resolution.
 """
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -28,8 +29,10 @@ class PEG(PositionalEncoding):
     are split off before the convolution and re-attached unchanged. One convolution per listed
     block, applied to that block's output (the paper's default: one PEG after block 0; its best
     variant: after blocks 0-5, ``'peg:blocks=0-5'``). A 3D ``(t, h, w)`` grid uses a depthwise 3D
-    convolution. PyTorch's default convolution init; the PEG parameters are excluded from weight
-    decay, as in CPVT's and Twins' ``no_weight_decay`` (``pos_block``). Pair it with ``global_pool='avg'`` for CPVT-GAP.
+    convolution. In a NaFlex batch (``Positions.grids``) each sample is convolved on its own grid,
+    with zero padding at its own border; padding tokens pass unchanged and reach no real token.
+    PyTorch's default convolution init; the PEG parameters are excluded from weight decay, as in
+    CPVT's and Twins' ``no_weight_decay`` (``pos_block``). Pair it with ``global_pool='avg'`` for CPVT-GAP.
 
     Parameter ``convs.<block>.weight`` / ``.bias``: the convolution after block ``<block>``.
 
@@ -74,15 +77,48 @@ class PEG(PositionalEncoding):
         conv = self.convs[str(index)] if str(index) in self.convs else None
         if conv is None:
             return x
-        if pos.grid is None or len(pos.grid) != self.num_axes:
-            raise ValueError(f"encoding 'peg' needs the full {self.num_axes}D token grid, got grid={pos.grid} "
-                             '(token dropping is not supported)')
+        grids = pos.sample_grids
+        if grids is None or len(grids[0]) != self.num_axes:
+            raise ValueError(f"encoding 'peg' needs the full {self.num_axes}D token grid, got "
+                             f'grid={pos.grid or pos.grids} (token dropping is not supported)')
         npre = pos.num_prefix
         prefix, tokens = x[:, :npre], x[:, npre:]
-        b, n, c = tokens.shape
-        feat = tokens.transpose(1, 2).reshape(b, c, *pos.grid)
-        tokens = tokens + conv(feat).flatten(2).transpose(1, 2)
+        if pos.grids is not None:
+            tokens = tokens + self._naflex_conv(conv, tokens, pos)
+        else:
+            b, n, c = tokens.shape
+            feat = tokens.transpose(1, 2).reshape(b, c, *pos.grid)
+            tokens = tokens + conv(feat).flatten(2).transpose(1, 2)
         return torch.cat([prefix, tokens], dim=1) if npre else tokens
+
+    @staticmethod
+    def _naflex_conv(conv: nn.Module, tokens: torch.Tensor, pos: Positions) -> torch.Tensor:
+        """The convolution of each sample of a NaFlex batch on its own grid, ``(B, N, C)`` (zero on padding).
+
+        Every sample's tokens go to the top-left corner of one zero canvas of the largest extent per
+        axis: around a sample the canvas is zero, exactly the zero padding the sample gets alone,
+        and padding tokens never enter it. One convolution, then each token reads its own cell.
+        """
+        b, n, c = tokens.shape
+        grids, device = pos.grids, tokens.device
+        canvas = tuple(max(axis) for axis in zip(*grids))
+        axes = range(len(canvas))
+        # canvas cell -> the token at that index of the sample's own grid, or the zero row n outside it
+        cell = torch.stack(torch.meshgrid(*(torch.arange(s, device=device) for s in canvas), indexing='ij'), -1)
+        cell = cell.reshape(-1, len(canvas))  # (M, D)
+        shapes = torch.tensor(grids, device=device)[:, None]  # (B, 1, D)
+        strides = torch.tensor([[math.prod(g[a + 1:]) for a in axes] for g in grids], device=device)[:, None]
+        source = torch.where((cell < shapes).all(-1), (cell * strides).sum(-1), n)  # (B, M)
+        padded = torch.cat([tokens, tokens.new_zeros(b, 1, c)], 1)
+        feat = padded.gather(1, source.unsqueeze(-1).expand(-1, -1, c))
+        out = conv(feat.transpose(1, 2).reshape(b, c, *canvas)).flatten(2).transpose(1, 2)  # (B, M, C)
+        # token -> its canvas cell (padding tokens, at index 0, read cell 0 and get zero)
+        canvas_strides = torch.tensor([math.prod(canvas[a + 1:]) for a in axes], device=device)
+        target = (pos.coords.round().long() * canvas_strides).sum(-1)  # (B, N)
+        read = out.gather(1, target.unsqueeze(-1).expand(-1, -1, c))
+        sizes = torch.tensor([math.prod(g) for g in grids], device=device)
+        real = torch.arange(n, device=device) < sizes[:, None]  # (B, N): a sample's tokens come first
+        return torch.where(real.unsqueeze(-1), read, 0)
 
     def extra_repr(self) -> str:
         return f'blocks={self.blocks}, kernel_size={self.kernel_size}'

@@ -123,7 +123,8 @@ class SwinRelativeBias(PositionalEncoding):
     The tables are excluded from weight decay (Swin's ``no_weight_decay_keywords``).
 
     Token subsets of the training grid (patch dropout: integer coordinates without a grid) index the
-    training table by their offsets.
+    training table by their offsets. In a NaFlex batch (``Positions.grids``) each sample gets the
+    bias of its own grid, as alone (the table resized to that grid).
 
     Prefix tokens: BEiT's convention, three extra learned scalars per head and table
     (prefix query -> patch key, patch query -> prefix key, prefix -> prefix), shared by all prefix
@@ -202,6 +203,23 @@ class SwinRelativeBias(PositionalEncoding):
         if pos_q.num_prefix and self.prefix_bias is None:
             raise ValueError("encoding 'swin_rpb' was built without prefix tokens (num_prefix_tokens=0) but the "
                              f'positions have {pos_q.num_prefix}')
+        if pos_q.grids is not None:
+            return self._naflex_bias(pos_q)
+        return self._grid_bias(pos_q)
+
+    def _naflex_bias(self, pos: Positions) -> torch.Tensor:
+        """``(T, B, H, N, N)``: each sample's bias on its own grid (its own resized table, once per
+        distinct grid), zero on the rows and columns of its padding tokens."""
+        n = pos.num_tokens
+        biases = {}
+        for b, g in enumerate(pos.grids):
+            if g not in biases:
+                one = self._grid_bias(pos.sample(b))  # (T, H, m, m)
+                biases[g] = F.pad(one, (0, n - one.shape[-1], 0, n - one.shape[-2]))
+        return torch.stack([biases[g] for g in pos.grids], 1)
+
+    def _grid_bias(self, pos_q: Positions) -> torch.Tensor:
+        """The bias ``(T, [B,] H, N, N)`` of a grid or of grid tokens (see `_offset_index`)."""
         index, grid = self._offset_index(pos_q)
         table = self.resize_table(self.relative_position_bias_table, self.ctx.grid_size, grid)
         t, _, heads = table.shape
