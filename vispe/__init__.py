@@ -11,6 +11,7 @@ from .registry import create_pe, format_pe_spec, list_pes, parse_pe_spec, pe_inf
 from .attention import PEAttention, pe_attention
 from .vit import VisionTransformer, load_timm_checkpoint
 from .zoo import convert, timm_pe_spec
+from .naflex import naflex_batch, naflex_positions, naflex_size
 from .cameras import Cameras, plucker_rays
 from . import multimodal
 
@@ -21,5 +22,6 @@ __all__ = [
     'PositionalEncoding', 'PEContext', 'ComposedPE', 'Capabilities',
     'register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'format_pe_spec', 'pe_info',
     'PEAttention', 'pe_attention', 'VisionTransformer', 'load_timm_checkpoint', 'convert', 'timm_pe_spec',
+    'naflex_batch', 'naflex_size', 'naflex_positions',
     'Cameras', 'plucker_rays', 'multimodal',
 ]

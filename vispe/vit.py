@@ -18,12 +18,13 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Format, PatchDropoutWithIndices, is_scriptable, nchw_to
+from timm.layers import AttentionPoolLatent, Format, PatchDropoutWithIndices, is_scriptable, nchw_to
 from timm.layers import PatchEmbed as TimmPatchEmbed
 from timm.models import generate_default_cfgs, register_model
 from timm.models._builder import build_model_with_cfg
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
+from timm.models.naflexvit import create_attention_mask, global_pool_naflex
 from timm.models.vision_transformer import Block
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as timm_checkpoint_filter_fn
@@ -32,6 +33,7 @@ from torch import nn
 from . import positions as P
 from .attention import PEAttention
 from .encodings.base import PEContext, PositionalEncoding
+from .naflex import embed_patches, naflex_positions
 from .registry import PESpec, create_pe
 
 __all__ = ['VisionTransformer', 'PEHost', 'PEBlock', 'LoadReport', 'adopt_pos_embed', 'PatchEmbed', 'TubeletEmbed',
@@ -160,6 +162,39 @@ class PEHost:
         return P.grid(*grid, num_prefix=self.num_prefix_tokens, train_grid=self.patch_embed.grid_size,
                       device=device)
 
+    def _embed_naflex(self, batch: Dict[str, torch.Tensor], attn_mask: Optional[torch.Tensor]
+                      ) -> Tuple[torch.Tensor, P.Positions, torch.Tensor, torch.Tensor]:
+        """A NaFlex batch (`vispe.naflex`) as tokens, their per-sample positions, the attention mask
+        (padded keys masked, prefix tokens always attended, combined with ``attn_mask``) and the
+        validity of the patch tokens (gathered through patch dropout)."""
+        if self.video:
+            raise ValueError('NaFlex batches are images; this model takes video clips')
+        missing = [k for k in ('patches', 'patch_coord', 'patch_valid') if k not in batch]
+        if missing:
+            raise ValueError(f'a NaFlex batch is a dict with patches, patch_coord and patch_valid '
+                             f'(vispe.naflex_batch, timm\'s NaFlex loader); missing {missing}')
+        valid = batch['patch_valid'].bool()
+        pos = naflex_positions(batch['patch_coord'], valid, self.num_prefix_tokens,
+                               tuple(self.patch_embed.grid_size))
+        x = embed_patches(self.patch_embed, batch['patches'])
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if prefix:
+            x = torch.cat(prefix + [x], dim=1)
+        x = self.pos_drop(self.pe.embed(x, pos))
+        if self.patch_drop is not None:
+            x, keep = self.patch_drop(x)
+            if keep is not None:  # the kept tokens are a point set: no grids; the mask follows them
+                valid = valid.gather(1, keep)
+                pos = pos.replace(key_padding_mask=None, grids=None).select(keep).replace(key_padding_mask=~valid)
+        keys = torch.cat([valid.new_ones(valid.shape[0], self.num_prefix_tokens), valid], 1)[:, None, None, :]
+        if attn_mask is None:
+            mask = keys
+        elif attn_mask.dtype == torch.bool:
+            mask = attn_mask & keys
+        else:
+            mask = torch.where(keys, attn_mask, float('-inf'))
+        return self.norm_pre(x), pos, mask, valid
+
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, P.Positions]:
         x = _checked_input(x, self.video, tuple(self.patch_embed.patch_size),
                            getattr(self.patch_embed, 'dynamic_img_pad', False), getattr(self.patch_embed, 'tubelet', 1))
@@ -187,15 +222,59 @@ class PEHost:
                 taken.append(self.norm(x) if norm else x)
         return x, taken
 
-    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                         is_causal: bool = False) -> torch.Tensor:
+    def forward_features(self, x: Union[torch.Tensor, Dict[str, torch.Tensor]],
+                         attn_mask: Optional[torch.Tensor] = None,
+                         is_causal: bool = False) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+        """timm's `forward_features`; a NaFlex batch (dict, `vispe.naflex_batch`) gives, as timm's
+        NaFlexVit, ``{'patches': tokens (B, prefix + N, C), 'patch_valid': (B, N)}``, which
+        `forward_head` pools over the real patches only."""
+        if isinstance(x, dict):
+            x, pos, mask, valid = self._embed_naflex(x, x.get('attn_mask', attn_mask))
+            x, _ = self._blocks(x, pos, mask, is_causal)
+            return {'patches': self.norm(x), 'patch_valid': valid}
         x, pos = self._embed(x)
         x, _ = self._blocks(x, pos, attn_mask, is_causal)
         return self.norm(x)
 
+    def _pool_keeps_prefix(self, attn_pool: bool) -> bool:
+        """Whether pooling reads the prefix tokens (timm's ViT: ``pool_include_prefix``, for both)."""
+        return self.pool_include_prefix
+
+    def pool(self, x: torch.Tensor, pool_type: Optional[str] = None,
+             patch_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """timm's `pool`; with ``patch_valid`` ``(B, N)`` (a NaFlex batch) the padded tokens are left
+        out: masked mean / max (timm's `global_pool_naflex`), and the MAP head's attention with the
+        padded keys masked (timm's `create_attention_mask`)."""
+        if patch_valid is None:
+            return super().pool(x, pool_type)
+        npre = self.num_prefix_tokens
+        if self.attn_pool is not None:
+            if not isinstance(self.attn_pool, AttentionPoolLatent):
+                raise ValueError(f'NaFlex batches need a pooling that can mask padding: '
+                                 f'{type(self.attn_pool).__name__} attends over every token; use global_pool '
+                                 f"'token', 'avg', 'avgmax', 'max' or 'map'")
+            keep = self._pool_keeps_prefix(attn_pool=True)
+            mask = create_attention_mask(patch_valid, num_prefix_tokens=npre if keep else 0, symmetric=False,
+                                         q_len=1, dtype=x.dtype)
+            return self.attn_pool(x if keep else x[:, npre:], attn_mask=mask)
+        pool_type = self.global_pool if pool_type is None else pool_type
+        return global_pool_naflex(x, patch_valid, pool_type=pool_type, num_prefix_tokens=npre,
+                                  reduce_include_prefix=self._pool_keeps_prefix(attn_pool=False))
+
+    def forward_head(self, x: Union[torch.Tensor, Dict[str, torch.Tensor]], pre_logits: bool = False,
+                     patch_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """timm's `forward_head`; it also takes `forward_features`' NaFlex output (or ``patch_valid``)
+        and pools over the real patches only."""
+        if isinstance(x, dict):
+            x, patch_valid = x['patches'], x['patch_valid']
+        if patch_valid is None:
+            return super().forward_head(x, pre_logits)
+        x = self.head_drop(self.fc_norm(self.pool(x, patch_valid=patch_valid)))
+        return x if pre_logits else self.head(x)
+
     def forward_intermediates(
             self,
-            x: torch.Tensor,
+            x: Union[torch.Tensor, Dict[str, torch.Tensor]],
             indices: Optional[Union[int, List[int]]] = None,
             return_prefix_tokens: bool = False,
             norm: bool = False,
@@ -206,11 +285,20 @@ class PEHost:
             attn_mask: Optional[torch.Tensor] = None,
             is_causal: bool = False,
     ):
-        """timm's `forward_intermediates` (same arguments and outputs)."""
+        """timm's `forward_intermediates` (same arguments and outputs). A NaFlex batch (dict) takes
+        ``output_fmt='NLC'`` (its samples have different grids), as timm's NaFlexVit, and
+        ``output_dict=True`` then adds the ``patch_valid`` of the intermediates' patch tokens."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take, max_index = feature_take_indices(len(self.blocks), indices)
-        x, pos = self._embed(x)
+        valid = None
+        if isinstance(x, dict):
+            if output_fmt != 'NLC':
+                raise ValueError("output_fmt must be 'NLC' for a NaFlex batch: its samples have different grids "
+                                 "(each sample's first h*w patch tokens are its grid in row-major order)")
+            x, pos, attn_mask, valid = self._embed_naflex(x, x.get('attn_mask', attn_mask))
+        else:
+            x, pos = self._embed(x)
         x, inter = self._blocks(x, pos, attn_mask, is_causal, take=take,
                                 stop=max_index if stop_early else None, norm=norm)
         npre = self.num_prefix_tokens
@@ -224,6 +312,8 @@ class PEHost:
             out: Dict[str, Any] = {'image_intermediates': inter}
             if prefix is not None and return_prefix_tokens:
                 out['image_intermediates_prefix'] = prefix
+            if valid is not None:
+                out['patch_valid'] = valid
             if not intermediates_only:
                 out['image_features'] = self.norm(x)
             return out

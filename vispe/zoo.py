@@ -203,14 +203,9 @@ class PEEvaBlock(EvaBlock):
 
 
 class PEEvaBlockPostNorm(EvaBlockPostNorm):
-    """timm's post-norm `EvaBlockPostNorm` whose attention receives the encoding."""
-
-    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
-                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                pos: Optional[Positions] = None) -> torch.Tensor:
-        x = x + self.drop_path1(self.norm1(self.attn(x, pe=pe, state=state, attn_mask=attn_mask,
-                                                     is_causal=is_causal, pos=pos)))
-        return x + self.drop_path2(self.norm2(self.mlp(x)))
+    """timm's post-norm `EvaBlockPostNorm` whose attention receives the encoding (its layout and
+    forward are `ResPostBlock`'s)."""
+    forward = PEResPostBlock.forward
 
 
 # ---------------------------------------------------------------------- hosts
@@ -224,6 +219,10 @@ class PEEva(PEHost, Eva):
         pe = getattr(self, 'pe', None)
         if pe is not None:
             pe.reset_parameters()
+
+    def _pool_keeps_prefix(self, attn_pool: bool) -> bool:
+        """Eva's MAP head reads every token, its global pooling none of the prefix tokens."""
+        return attn_pool
 
     @torch.jit.ignore
     def no_weight_decay(self):
@@ -265,8 +264,10 @@ def _check_convertible(model: nn.Module, label: str) -> None:
     if getattr(model, 'pe', None) is not None and isinstance(model, PEHost):
         raise ValueError(f'{label} is already a vispe host (pe={model.pe.name!r}); build it anew to change pe')
     if type(model) not in _HOSTS:
+        hint = ('; for native-resolution batches build the model without use_naflex and give it '
+                'vispe.naflex_batch(...)' if type(model).__name__ == 'NaFlexVit' else '')
         raise ValueError(f'{label}: vispe.convert takes timm VisionTransformer or Eva models, got '
-                         f'{type(model).__module__}.{type(model).__name__}')
+                         f'{type(model).__module__}.{type(model).__name__}{hint}')
     for i, block in enumerate(model.blocks):
         if type(block) not in _BLOCKS:
             reason = ('differential attention forms two softmax maps per head of half width; vispe encodings act '
