@@ -2,8 +2,9 @@
 
 A config without ``sweep:`` is one run in ``output_dir/name``; with ``sweep:`` (dotted keys to lists
 of values) each combination is a run in ``output_dir/name/<values>``, trained one after the other.
-When ``extrapolate.sizes`` is set, the best checkpoint of every run is evaluated at those sizes
-afterwards and the table is printed (and written with a CSV and a plot to ``output_dir/name``).
+When ``extrapolate.sizes`` (or ``extrapolate.max_tokens``, native aspect ratios) is set, the best
+checkpoint of every run is evaluated at those sizes (budgets) afterwards and the table is printed
+(and written with a CSV and a plot to ``output_dir/name``).
 A run folder that already holds a run is refused before anything trains unless ``train.resume``
 is set. The same command runs under ``torchrun`` (DDP).
 """
@@ -68,9 +69,10 @@ def run(config: Optional[str], overrides: Sequence[str] = ()) -> List[RunResult]
             sys.stdout.write(f'\nsummary ({root}):\n{table}\n')
         barrier()  # best.pt files are written by rank 0
         best = [r.best_path for r in results if r.best_path is not None]
-        if cfg.extrapolate.sizes and best:
+        if (cfg.extrapolate.sizes or cfg.extrapolate.max_tokens) and best:
             rows = evaluate_checkpoints(best, cfg.extrapolate.sizes, batch_size=cfg.extrapolate.batch_size,
-                                        env=env, progress_mode=cfg.log.progress)
+                                        env=env, progress_mode=cfg.log.progress,
+                                        max_tokens=cfg.extrapolate.max_tokens)
             if env.is_main:
                 out = write_reports(rows, root)
                 sys.stdout.write(f'\nresolution extrapolation ({out["md"]}, plot {out["png"]}):\n'

@@ -122,7 +122,14 @@ class ExtrapolateConfig:
     """Resolution sweep run after training (the same as ``python -m train.extrapolate``)."""
     sizes: List[int] = option(factory=list, help='input sizes to evaluate best.pt at (empty: skip); multiples '
                                                  'of the patch size', min=1)
+    max_tokens: List[int] = option(factory=list, help='token budgets to evaluate best.pt at, each image resized '
+                                                      'to its native aspect ratio (NaFlex; instead of sizes)', min=1)
     batch_size: Optional[int] = option(None, 'evaluation batch (null: the eval batch size)', min=1)
+
+    def __post_init__(self) -> None:
+        if self.sizes and self.max_tokens:
+            raise ConfigError('extrapolate.max_tokens: evaluates at native aspect ratios instead of square '
+                              'extrapolate.sizes; give one of them')
 
 
 @dataclass
@@ -201,6 +208,8 @@ def validate_section(cls: type, raw: Any, key: str) -> Any:
         kwargs[k] = value
     try:
         return cls(**kwargs)
+    except ConfigError:  # a section's own cross-key check names its keys
+        raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f'{key or "config"}: {e}') from None
 

@@ -2,14 +2,16 @@
 
 Nothing is downloaded or stored: scene ``i`` is drawn from ``numpy.random.default_rng([seed,
 split, i])`` and rasterised on request, at any resolution, so the same scene can be shown at 32,
-48 or 64 pixels (the resolution-extrapolation test). Rasterisation is analytic: a pixel's colour
-is the object's coverage estimated from its signed distance to the pixel centre, so edges are
-anti-aliased in the same way at every size.
+48 or 64 pixels (the resolution-extrapolation test), or at any height and width (native aspect
+ratios, for NaFlex batches). Rasterisation is analytic: a pixel's colour is the object's coverage
+estimated from its signed distance to the pixel centre, so edges are anti-aliased in the same way
+at every size.
 """
 from __future__ import annotations
 
 import logging
-from typing import Literal, Tuple
+import math
+from typing import Literal, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ _RED = np.array([0.90, 0.15, 0.10])
 _BLUE = np.array([0.10, 0.25, 0.90])
 _SPLITS = {'train': 0, 'val': 1}
 _EDGE = 0.02  # gap between an object and its cell border (fraction of the canvas): room for anti-aliasing
+_ASPECT_STREAM = 1  # a scene's aspect ratio has its own stream: the scene is the same with or without one
 
 
 class SpatialShapes(Dataset):
@@ -45,9 +48,15 @@ class SpatialShapes(Dataset):
       position, which relative encodings can only infer from the image border.
 
     Object half-sizes are drawn from ``object_size`` (fractions of the canvas), the background grey
-    per scene. Items are ``(image, label, -1)``: a normalised ``(3, S, S)`` float tensor, the class
-    index, and -1 for "not an unreadable input" (the image-folder dataset puts the index of an
-    unreadable file in that slot).
+    per scene. Items are ``(image, label, -1)``: a normalised ``(3, H, W)`` float tensor (``H = W =
+    img_size`` for square scenes), the class index, and -1 for "not an unreadable input" (the
+    image-folder dataset puts the index of an unreadable file in that slot).
+
+    Native aspect ratios (``aspect``): scene ``i`` gets a width / height ratio drawn log-uniformly
+    from ``aspect`` and is shown at about ``img_size**2`` pixels at that ratio (`shape`). Object
+    centres and cells are fractions of each side, so the labels of both tasks are those of the
+    square scene; sizes are fractions of the shorter side, so squares stay square, circles round,
+    and every object stays inside its cell. Cells are patches only on square canvases.
 
     Args:
         size: number of scenes.
@@ -57,6 +66,7 @@ class SpatialShapes(Dataset):
         task: the question, see above.
         cells: side of the grid of cells objects are placed in (even, >= 2).
         object_size: range of object half-sizes, fractions of the canvas side (below half a cell).
+        aspect: range ``(low, high)`` of width / height ratios of the scenes; None: square scenes.
         mean: per-channel mean subtracted after rendering in [0, 1].
         std: per-channel std divided by after subtracting the mean.
     """
@@ -71,6 +81,7 @@ class SpatialShapes(Dataset):
             task: SyntheticTask = 'relation',
             cells: int = 4,
             object_size: Tuple[float, float] = (0.05, 0.09),
+            aspect: Optional[Tuple[float, float]] = None,
             mean: Tuple[float, float, float] = (0.5, 0.5, 0.5),
             std: Tuple[float, float, float] = (0.5, 0.5, 0.5),
     ) -> None:
@@ -88,6 +99,8 @@ class SpatialShapes(Dataset):
         if not 0 < lo <= hi < 0.5 / cells - _EDGE:
             raise ValueError(f'object_size must satisfy 0 < low <= high < {0.5 / cells - _EDGE:g} (within half a '
                              f'cell of a {cells}x{cells} grid), got {object_size}')
+        if aspect is not None and not 0 < aspect[0] <= aspect[1]:
+            raise ValueError(f'aspect must be (low, high) width / height ratios with 0 < low <= high, got {aspect}')
         self.size = size
         self.img_size = img_size
         self.seed = seed
@@ -95,6 +108,7 @@ class SpatialShapes(Dataset):
         self.task = task
         self.cells = cells
         self.object_size = (float(lo), float(hi))
+        self.aspect = None if aspect is None else (float(aspect[0]), float(aspect[1]))
         self.mean = np.asarray(mean, dtype=np.float32)
         self.std = np.asarray(std, dtype=np.float32)
 
@@ -127,30 +141,59 @@ class SpatialShapes(Dataset):
         return dict(square=square, circle=circle, half_square=half_sq, radius=radius,
                     background=background, label=label)
 
-    def render(self, index: int, img_size: int) -> np.ndarray:
-        """Scene ``index`` as an ``(S, S, 3)`` float image in [0, 1] (rows = y, top first)."""
-        return self._draw(self.scene(index), img_size)
+    def aspect_ratio(self, index: int) -> float:
+        """Width / height of scene ``index``: 1 for square scenes, else drawn log-uniformly from ``aspect``."""
+        if not 0 <= index < self.size:
+            raise IndexError(f'scene index {index} out of range for {self.size} scenes')
+        if self.aspect is None:
+            return 1.0
+        rng = np.random.default_rng([self.seed, _SPLITS[self.split], index, _ASPECT_STREAM])
+        return float(np.exp(rng.uniform(np.log(self.aspect[0]), np.log(self.aspect[1]))))
+
+    def shape(self, index: int) -> Tuple[int, int]:
+        """``(H, W)`` of scene ``index`` as items show it: ``img_size`` square, or about ``img_size**2``
+        pixels at its aspect ratio."""
+        ratio = self.aspect_ratio(index)
+        if ratio == 1.0:
+            return self.img_size, self.img_size
+        return max(1, round(self.img_size / math.sqrt(ratio))), max(1, round(self.img_size * math.sqrt(ratio)))
+
+    def render(self, index: int, img_size: Union[int, Tuple[int, int]]) -> np.ndarray:
+        """Scene ``index`` as an ``(H, W, 3)`` float image in [0, 1] (rows = y, top first); ``img_size``
+        is ``S`` (square) or ``(H, W)``."""
+        h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
+        return self._draw(self.scene(index), h, w)
 
     @staticmethod
-    def _draw(s: dict, img_size: int) -> np.ndarray:
-        c = (np.arange(img_size, dtype=np.float64) + 0.5) / img_size  # pixel centres
-        x, y = c[None, :], c[:, None]
-        d_square = np.maximum(np.abs(x - s['square'][0]), np.abs(y - s['square'][1])) - s['half_square']
-        d_circle = np.hypot(x - s['circle'][0], y - s['circle'][1]) - s['radius']
+    def _draw(s: dict, h: int, w: int) -> np.ndarray:
+        # lengths in units of the shorter side m (on a square canvas: the canvas side, fractions as drawn)
+        m = min(h, w)
+        x = ((np.arange(w, dtype=np.float64) + 0.5) / m)[None, :]  # pixel centres
+        y = ((np.arange(h, dtype=np.float64) + 0.5) / m)[:, None]
+        sx, sy = s['square'][0] * (w / m), s['square'][1] * (h / m)
+        cx, cy = s['circle'][0] * (w / m), s['circle'][1] * (h / m)
+        d_square = np.maximum(np.abs(x - sx), np.abs(y - sy)) - s['half_square']
+        d_circle = np.hypot(x - cx, y - cy) - s['radius']
         # coverage from the signed distance in pixel units: resolution-consistent anti-aliasing
-        a_square = np.clip(0.5 - d_square * img_size, 0.0, 1.0)[..., None]
-        a_circle = np.clip(0.5 - d_circle * img_size, 0.0, 1.0)[..., None]
-        img = np.full((img_size, img_size, 3), s['background'])
+        a_square = np.clip(0.5 - d_square * m, 0.0, 1.0)[..., None]
+        a_circle = np.clip(0.5 - d_circle * m, 0.0, 1.0)[..., None]
+        img = np.full((h, w, 3), s['background'])
         img = img * (1 - a_square) + _RED * a_square
         return img * (1 - a_circle) + _BLUE * a_circle
 
-    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int, int]:
+    def image(self, index: int, img_size: Union[int, Tuple[int, int]]) -> Tuple[torch.Tensor, int]:
+        """Scene ``index`` rendered at ``img_size`` (``S`` or ``(H, W)``), normalised ``(3, H, W)``, and its label."""
+        h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
         scene = self.scene(index)
-        img = (self._draw(scene, self.img_size).astype(np.float32) - self.mean) / self.std
-        return torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1))), scene['label'], -1
+        img = (self._draw(scene, h, w).astype(np.float32) - self.mean) / self.std
+        return torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1))), scene['label']
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int, int]:
+        img, label = self.image(index, self.shape(index))
+        return img, label, -1
 
     def at_size(self, img_size: int) -> 'SpatialShapes':
         """The same scenes rendered at another resolution."""
         return SpatialShapes(self.size, img_size, seed=self.seed, split=self.split, task=self.task,
-                             cells=self.cells, object_size=self.object_size,
+                             cells=self.cells, object_size=self.object_size, aspect=self.aspect,
                              mean=tuple(self.mean.tolist()), std=tuple(self.std.tolist()))

@@ -7,6 +7,12 @@ weight, initialises the new encoding and reports what it dropped / initialised (
 Data is the ImageNet folder layout through timm's transforms and Mixup / CutMix, or the embedded
 `SpatialShapes` scenes (``data.kind: synthetic``), which are rendered without per-image
 augmentation (a flip or a crop would change the answer).
+
+``data.naflex: true`` is the path of timm's NaFlex loader (`train.data.naflex`): every image keeps its
+aspect ratio (the scenes get varied ones, ``data.synthetic.aspect``), resized to at most
+``data.max_tokens`` patches, and batches are timm's NaFlex dicts padded to that budget, which the
+model takes as input; evaluation resizes whole images the same way (no crop), and the resolution
+sweep then evaluates at native aspect ratios under token budgets (`eval_dataset`).
 """
 from __future__ import annotations
 
@@ -26,9 +32,10 @@ from torch.utils.data import Dataset
 from torchvision.datasets.folder import find_classes
 
 import vispe
+from vispe.naflex import naflex_batch
 
 from ..schema import Config, ConfigError, option
-from ..data import ImageFolderDataset, SpatialShapes, split_dir
+from ..data import ImageFolderDataset, NaFlexCollate, NaFlexScenes, SpatialShapes, split_dir
 from ..data.digits import write_digits
 from ..data.synthetic import SyntheticTask
 from ..rng import seeded
@@ -90,6 +97,8 @@ class SyntheticConfig:
                            'patch-8 model at 32 px)', min=2)
     object_size: Tuple[float, float] = option((0.05, 0.09), 'object half-size range (fraction of the canvas)',
                                               min=0, max=0.25)
+    aspect: Tuple[float, float] = option((0.5, 2.0), 'data.naflex: range of the scenes\' aspect ratios (width / '
+                                                     'height, log-uniform); square scenes without NaFlex', min=0)
 
 
 @dataclass
@@ -109,6 +118,11 @@ class DataConfig:
     interpolation: Optional[str] = option(None, "resize interpolation (null: the model's default)")
     mean: Optional[Tuple[float, float, float]] = option(None, "normalisation mean (null: the model's default)")
     std: Optional[Tuple[float, float, float]] = option(None, "normalisation std (null: the model's default)")
+    naflex: bool = option(False, "native aspect ratios (timm's NaFlex loader): each image keeps its aspect ratio, "
+                                 'resized to at most data.max_tokens patches; batches are NaFlex dicts padded to '
+                                 'the budget (aug.ratio then scales the aspect ratio of each image)')
+    max_tokens: Optional[int] = option(None, "data.naflex: patches per image at most (timm's max_seq_len; null: "
+                                             'the patches of a data.img_size square)', min=1)
     aug: AugConfig = option(factory=AugConfig)
     synthetic: SyntheticConfig = option(factory=SyntheticConfig)
 
@@ -137,6 +151,7 @@ class ClassificationTask(Task):
         self._class_to_idx: Optional[dict] = None
         self.mixup: Optional[Mixup] = None
         self.criterion: Optional[nn.Module] = None
+        self._patch_size: Optional[int] = None  # the model's (square) patch, for NaFlex data
         if cfg.data.prepare == 'digits':  # before anything lists the folder's classes
             write_digits(cfg.data.root)
 
@@ -155,6 +170,17 @@ class ClassificationTask(Task):
             raise ConfigError(f'train.batch_size: mixup / cutmix need an even batch, got {cfg.train.batch_size}')
         if d.aug.scale[0] > d.aug.scale[1] or d.aug.ratio[0] > d.aug.ratio[1]:
             raise ConfigError('data.aug.scale / data.aug.ratio: (low, high) with low <= high')
+        if not 0 < d.synthetic.aspect[0] <= d.synthetic.aspect[1]:
+            raise ConfigError(f'data.synthetic.aspect: (low, high) width / height ratios with 0 < low <= high, '
+                              f'got {d.synthetic.aspect}')
+        if d.max_tokens is not None and not d.naflex:
+            raise ConfigError('data.max_tokens: the token budget of NaFlex batches; set data.naflex: true to use it')
+        if d.naflex and (d.aug.mixup > 0 or d.aug.cutmix > 0):
+            raise ConfigError('data.aug.mixup / data.aug.cutmix: images of different sizes cannot be mixed; set both '
+                              'to 0 with data.naflex: true')
+        if d.naflex and d.crop_pct is not None:
+            raise ConfigError('data.crop_pct: NaFlex evaluation resizes whole images to the token budget, without a '
+                              'crop; remove it with data.naflex: true')
 
     # ------------------------------------------------------------------ classes and model
     def _num_classes(self) -> int:
@@ -202,6 +228,8 @@ class ClassificationTask(Task):
         m = self.cfg.model
         model = self._create(m.name, self._model_kwargs(), m.pretrained, m.pretrained_file)
         self._check_input_sizes(model)
+        if self.cfg.data.naflex:
+            self._check_naflex(model)
         report = getattr(model, 'pretrained_report', None)
         if report is not None:
             _logger.info('pretrained weights (%s): %s', m.pretrained_file or m.name, report)
@@ -224,6 +252,27 @@ class ClassificationTask(Task):
                 raise ConfigError(f'{key}: {bad[0]} px is not a multiple of the patch size {ph}x{pw} of '
                                   f'{self.cfg.model.name}; use multiples of {step} (e.g. {near} or {near + step})')
 
+    def _check_naflex(self, model: nn.Module) -> None:
+        """NaFlex needs square patches and a model that takes NaFlex dicts: a two-image batch of two grids
+        runs through it now, so that an encoding or model without NaFlex support stops before step 1."""
+        embed = getattr(model, 'patch_embed', None)
+        ph, pw = getattr(embed, 'patch_size', (None, None))
+        if ph is None or ph != pw:
+            raise ConfigError(f'data.naflex: needs a ViT with square patches; {self.cfg.model.name} has '
+                              f'{f"{ph}x{pw} patches" if ph else "no patch embedding"}')
+        self._patch_size = ph
+        chans = getattr(getattr(embed, 'proj', None), 'in_channels', 3)
+        probe = naflex_batch([torch.zeros(chans, ph, 2 * ph), torch.zeros(chans, 2 * ph, ph)], ph, 3, resize=False)
+        was_training = model.training
+        try:
+            with torch.no_grad():
+                model.eval()(probe)
+        except Exception as e:  # whatever the model raises, the config is what to change
+            raise ConfigError(f'data.naflex: {self.cfg.model.name} with model.pe={self.cfg.model.pe!r} does not take '
+                              f'NaFlex batches ({type(e).__name__}: {e})') from e
+        finally:
+            model.train(was_training)
+
     def model_spec(self, model: nn.Module) -> Dict[str, Any]:
         training_only = ('drop_rate', 'drop_path_rate')
         kwargs = {k: v for k, v in self._model_kwargs().items() if k not in training_only}
@@ -232,7 +281,10 @@ class ClassificationTask(Task):
     def rebuild_model(self, spec: Dict[str, Any]) -> nn.Module:
         if self.cfg.data.kind == 'folder':
             self._num_classes()  # class mapping for the eval folder
-        return self._create(spec['name'], dict(spec['kwargs']))
+        model = self._create(spec['name'], dict(spec['kwargs']))
+        if self.cfg.data.naflex:
+            self._check_naflex(model)
+        return model
 
     def chance_level(self, spec: Dict[str, Any]) -> Optional[float]:
         return 100.0 / spec['kwargs']['num_classes']  # top-1 (%) of a uniform guess
@@ -247,29 +299,61 @@ class ClassificationTask(Task):
         s = self.cfg.data.synthetic
         try:
             return SpatialShapes(size, img_size, seed=s.seed, split=split, task=s.task, cells=s.cells,
-                                 object_size=s.object_size)
+                                 object_size=s.object_size, aspect=s.aspect if self.cfg.data.naflex else None)
         except ValueError as e:
             raise ConfigError(f'data.synthetic: {e}') from None
+
+    def naflex_budget(self, size: Optional[int] = None) -> Optional[int]:
+        """The token budget of NaFlex data (None without ``data.naflex``): ``data.max_tokens``, or with
+        ``size`` the patches of a ``size`` square (the sweep's sizes stand for their token counts)."""
+        d = self.cfg.data
+        if not d.naflex:
+            return None
+        if self._patch_size is None:
+            raise RuntimeError('naflex_budget: build the model first (the budget depends on its patch size)')
+        p = self._patch_size
+        if size is None:
+            return d.max_tokens or (d.img_size // p) ** 2
+        if size % p:
+            raise ValueError(f'size {size} px is not a multiple of the patch size {p}: its token count '
+                             f'({size / p:g} x {size / p:g}) is not whole')
+        return (size // p) ** 2
+
+    def _naflex_data(self, max_tokens: int) -> None:
+        # one collate for the datasets built last: the loop builds its train and eval sets at one budget,
+        # the sweep builds each budget's set right before its loader
+        self.collate_fn = NaFlexCollate(self._patch_size, max_tokens)
 
     def train_dataset(self) -> Dataset:
         d = self.cfg.data
         self._build_loss()
+        budget = self.naflex_budget()
+        if budget is not None:
+            self._naflex_data(budget)
         if d.kind == 'synthetic':
-            return self._synthetic('train', d.synthetic.train_size, d.img_size)
+            scenes = self._synthetic('train', d.synthetic.train_size, d.img_size)
+            return scenes if budget is None else NaFlexScenes(scenes, self._patch_size, budget)
         a = d.aug
         mean, std = self._norm()
+        naflex = dict(naflex=True, patch_size=self._patch_size, max_seq_len=budget) if budget is not None else {}
         transform = create_transform(
             d.img_size, is_training=True, scale=a.scale, ratio=a.ratio, hflip=a.hflip, vflip=a.vflip,
             color_jitter=a.color_jitter, auto_augment=a.auto_augment,
             interpolation=d.interpolation or self._data_cfg.get('interpolation', 'bicubic'),
-            mean=mean, std=std, re_prob=a.re_prob, re_mode=a.re_mode, re_count=a.re_count)
+            mean=mean, std=std, re_prob=a.re_prob, re_mode=a.re_mode, re_count=a.re_count, **naflex)
         ds = ImageFolderDataset(split_dir(d.root, d.train_split), transform, seed=self.cfg.seed,
                                 class_to_idx=self._class_to_idx)
         _logger.info('train data: %d images, %d classes in %s', len(ds), len(ds.classes), ds.root)
         return ds
 
-    def eval_dataset(self, size: Optional[int] = None) -> Dataset:
+    def eval_dataset(self, size: Optional[int] = None, max_tokens: Optional[int] = None) -> Dataset:
+        """The validation set at ``size`` px (square), or with ``data.naflex`` at native aspect ratios
+        under ``max_tokens`` (default: `naflex_budget` of ``size``, else the training budget)."""
         d = self.cfg.data
+        if d.naflex:
+            return self._naflex_eval(max_tokens or self.naflex_budget(size))
+        if max_tokens is not None:
+            raise ValueError('max_tokens: native-aspect evaluation needs data.naflex: true')
         size = size or d.img_size
         if d.kind == 'synthetic':
             return self._synthetic('val', d.synthetic.val_size, size)
@@ -277,6 +361,18 @@ class ClassificationTask(Task):
         transform = create_transform(
             size, is_training=False, interpolation=d.interpolation or self._data_cfg.get('interpolation', 'bicubic'),
             mean=mean, std=std, crop_pct=d.crop_pct or self._data_cfg.get('crop_pct', 0.875), crop_mode=d.crop_mode)
+        return ImageFolderDataset(split_dir(d.root, d.val_split), transform, class_to_idx=self._class_to_idx)
+
+    def _naflex_eval(self, max_tokens: int) -> Dataset:
+        d = self.cfg.data
+        self._naflex_data(max_tokens)
+        if d.kind == 'synthetic':
+            return NaFlexScenes(self._synthetic('val', d.synthetic.val_size, d.img_size), self._patch_size, max_tokens)
+        mean, std = self._norm()
+        transform = create_transform(
+            d.img_size, is_training=False, mean=mean, std=std,
+            interpolation=d.interpolation or self._data_cfg.get('interpolation', 'bicubic'),
+            naflex=True, patch_size=self._patch_size, max_seq_len=max_tokens)
         return ImageFolderDataset(split_dir(d.root, d.val_split), transform, class_to_idx=self._class_to_idx)
 
     def unreadable(self, batch: Any) -> List[int]:
@@ -314,6 +410,11 @@ class ClassificationTask(Task):
                     count=torch.tensor(float(y.numel()), device=y.device))
         if logits.shape[-1] > 5:  # top-5 of 5 classes or fewer says nothing
             sums['correct5'] = logits.topk(5, dim=-1).indices.eq(y[:, None]).any(dim=-1).sum()
+        if isinstance(x, dict):  # NaFlex: the grids the images were seen at
+            valid = x['patch_valid']
+            extent = x['patch_coord'].masked_fill(~valid[..., None], -1).amax(1).float() + 1  # (B, 2): rows, cols
+            sums.update(tokens=valid.sum().float(), grid_h=extent[:, 0].sum(), grid_w=extent[:, 1].sum(),
+                        aspect=(extent[:, 1] / extent[:, 0]).sum())
         return sums
 
     def summarize(self, sums: Dict[str, float]) -> Dict[str, float]:
@@ -322,4 +423,7 @@ class ClassificationTask(Task):
         if 'correct5' in sums:
             metrics['top5'] = 100.0 * sums['correct5'] / n
         metrics['loss'] = sums.get('loss', 0.0) / n
+        for k in ('tokens', 'grid_h', 'grid_w', 'aspect'):  # NaFlex: means per image
+            if k in sums:
+                metrics[k] = sums[k] / n
         return metrics
