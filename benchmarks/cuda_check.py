@@ -11,15 +11,22 @@ Needs a GPU. For each encoding (every registered one plus a few option variants)
 * ``cpu diff``: largest difference between the float32 outputs of the same tiny model on CUDA and
   on the CPU (TF32 off), relative to the output's scale;
 * eval forward, train step and train-step peak memory as ratios against ``pe='none'``, measured in
-  this process with interleaved rounds (bf16 autocast).
+  this process with interleaved rounds (bf16 autocast), for every batch size (``--batch 64,256``)
+  and every mode (``--modes eager,compiled``: the same models as they are and under
+  ``torch.compile``, the compiled ones against compiled ``pe='none'``).
+
+GPU time is scarce, so the run keeps to a budget (``--budget-min``, default 8): the checks come
+first, then one timing group per (mode, batch) while the elapsed time plus the last group's
+duration stays within the budget; a group that would not fit is listed as skipped, never cut
+half-way. Every phase prints its elapsed time.
 
 Camera encodings (``gta_multiview``, ``prope``, ``plucker``) run on one multi-view attention layer
 (8 views x 16 x 16 patches) instead of a ViT.
 
 Usage:
-    python benchmarks/cuda_check.py                              # ViT-B/16, 224, batch 64
-    python benchmarks/cuda_check.py --model vit_small --batch 32 --pes liere,irpe:on=qkv
-    python benchmarks/cuda_check.py --compile --pes rope_axial,liere      # ratios of compiled models
+    python benchmarks/cuda_check.py                              # ViT-B/16, 224, batch 64 and 256, eager + compiled
+    python benchmarks/cuda_check.py --model vit_small --batch 32 --pes liere,irpe:on=qkv --modes eager
+    python benchmarks/cuda_check.py --compile --pes rope_axial,liere      # compiled only (= --modes compiled)
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import argparse
 import math
 import os
 import sys
+import time
 import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -185,31 +193,57 @@ def cpu_agreement(spec: str, device: torch.device, pos_cpu: vispe.Positions, pos
     return f'{((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item():.1e}'
 
 
+def _batch_sizes(text: str) -> List[int]:
+    sizes = [int(b) for b in text.split(',') if b.strip()]
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f'--batch takes positive batch sizes separated by commas, got {text!r}')
+    return sizes
+
+
+def _modes(text: str) -> List[str]:
+    modes = [m.strip() for m in text.split(',') if m.strip()]
+    if not modes or any(m not in ('eager', 'compiled') for m in modes):
+        raise argparse.ArgumentTypeError(f"--modes takes 'eager' and / or 'compiled', got {text!r}")
+    return modes
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--model', default='vit_base')
-    ap.add_argument('--batch', type=int, default=64)
+    ap.add_argument('--batch', type=_batch_sizes, default=[64, 256], help='batch sizes to time, e.g. 64,256')
     ap.add_argument('--pes', default=None, help='comma-separated specs (default: all registered + variants)')
     ap.add_argument('--rounds', type=int, default=5)
     ap.add_argument('--out', default=None, help='also write the table to this file')
     ap.add_argument('--device', default='cuda', help="'cpu' only to smoke-test this script")
-    ap.add_argument('--compile', action='store_true', help='time torch.compile-d models (the checks stay eager)')
+    ap.add_argument('--modes', type=_modes, default=['eager', 'compiled'], help='eager and / or compiled timing')
+    ap.add_argument('--compile', action='store_true', help='time compiled models only (= --modes compiled)')
+    ap.add_argument('--budget-min', type=float, default=8.0, help='minutes the whole run may take')
     args = ap.parse_args(argv)
+    if args.compile:
+        args.modes = ['compiled']
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise SystemExit('cuda_check.py needs a CUDA device')
     device = torch.device(args.device)
+    budget = args.budget_min * 60
+
+    def elapsed(what: str) -> None:
+        print(f'[{time.perf_counter() - start:6.1f} s] {what}', flush=True)
+
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     specs = args.pes.split(',') if args.pes else [p for p in vispe.list_pes() if p != 'none'] + VARIANTS
     print(f'{torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}, torch {torch.__version__}, timm {timm.__version__}; '
-          f'{args.model}, 224px, batch {args.batch}, bf16 autocast', flush=True)
+          f'{args.model}, 224px, batch {",".join(map(str, args.batch))}, {"+".join(args.modes)}, bf16 autocast',
+          flush=True)
 
     torch.manual_seed(0)
     cams_cpu = cameras(8, 256, torch.device('cpu'))
     pos_cpu = vispe.positions.multiview(cams_cpu, (16, 16))
     pos = vispe.positions.multiview(cameras(8, 256, device), (16, 16))
-    x_img = torch.randn(args.batch, 3, 224, 224, device=device)
-    y = torch.randint(0, 1000, (args.batch,), device=device)
+    check_batch = min(args.batch)
+    x_img = torch.randn(check_batch, 3, 224, 224, device=device)
+    y = torch.randint(0, 1000, (check_batch,), device=device)
     x_mv = torch.randn(4, pos.num_tokens, 768, device=device)
 
     rows: Dict[str, Dict[str, str]] = {}
@@ -233,46 +267,69 @@ def main(argv: Optional[List[str]] = None) -> None:
             row['error'] = f'{type(e).__name__}: {str(e).splitlines()[0][:100]}'
             traceback.print_exc()
         print(f'{spec}: {row}', flush=True)
+    elapsed('checks done')
 
-    def timed(names: List[str], camera: bool) -> Dict[str, Dict[str, float]]:
-        base = 'none (camera layer)' if camera else 'none'
-        x, target = (x_mv, None) if camera else (x_img, y)
-        group = {n: models[n] for n in names if n in models}
-        group[base] = models[base]
+    cam_specs = [s for s in models if isinstance(models[s], CameraHost)]
+    if cam_specs:
+        with torch.device(device):
+            models['none (camera layer)'] = CameraHost('none', 768, 12, pos)
+    image_specs = [s for s in models if s not in cam_specs and s != 'none (camera layer)']
+
+    def timed(group: Dict[str, torch.nn.Module], base: str, x: torch.Tensor, target: Optional[torch.Tensor]
+              ) -> Dict[str, Dict[str, float]]:
         t_eval = compare({n: bf16_eval(m, x) for n, m in group.items()}, rounds=args.rounds, device=device)
         t_train = compare({n: bf16_step(m, x, target) for n, m in group.items()}, rounds=args.rounds, device=device)
         mem = {n: peak_memory(bf16_step(m, x, target), device) for n, m in group.items()}
         return {n: dict(eval=t_eval[n] / t_eval[base], train=t_train[n] / t_train[base], memory=mem[n] / mem[base],
                         eval_ms=t_eval[n] * 1e3, train_ms=t_train[n] * 1e3) for n in group}
 
-    cam_specs = [s for s in models if isinstance(models[s], CameraHost)]
-    if cam_specs:
-        with torch.device(device):
-            models['none (camera layer)'] = CameraHost('none', 768, 12, pos)
-    if args.compile:
-        models = compile_models(models)
-    ratios = timed([s for s in models if s not in cam_specs and s != 'none (camera layer)'], camera=False)
-    if cam_specs:
-        ratios.update(timed(cam_specs, camera=True))
+    # one timing group per (mode, batch); the camera layer runs once per mode at its own token count
+    ratios: Dict[Tuple[str, int], Dict[str, Dict[str, float]]] = {}
+    skipped: List[str] = []
+    last = 0.0
+    for mode in args.modes:
+        group = compile_models(models) if mode == 'compiled' else models
+        for i, batch in enumerate(args.batch):
+            label = f'{mode}, batch {batch}'
+            if time.perf_counter() - start + last > budget:
+                skipped.append(label)
+                elapsed(f'{label}: skipped (budget of {args.budget_min:g} min)')
+                continue
+            t0 = time.perf_counter()
+            x = torch.randn(batch, 3, 224, 224, device=device)
+            target = torch.randint(0, 1000, (batch,), device=device)
+            result = timed({n: group[n] for n in image_specs}, 'none', x, target)
+            if cam_specs and i == 0:
+                result.update(timed({n: group[n] for n in cam_specs + ['none (camera layer)']},
+                                    'none (camera layer)', x_mv, None))
+            ratios[(mode, batch)] = result
+            last = time.perf_counter() - t0
+            elapsed(f'{label} timed')
 
-    header = ['encoding', 'flash claim', 'flash runs', 'bf16 train', 'cpu diff', 'eval x', 'train x', 'memory x']
+    header = ['encoding', 'flash claim', 'flash runs', 'bf16 train', 'fused', 'cpu diff']
+    header += [f'{what} x ({mode[0]}{batch})' for mode, batch in ratios for what in ('eval', 'train', 'mem')]
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     for spec, row in rows.items():
-        r = ratios.get(spec)
         if 'error' in row:
             cells = [row['error']] + [''] * (len(header) - 2)
         else:
-            cells = [row['claim'], row['flash'], row['bf16'], row['cpu diff']]
-            cells += [f"{r['eval']:.2f}", f"{r['train']:.2f}", f"{r['memory']:.2f}"] if r else ['-'] * 3
+            cells = [row['claim'], row['flash'], row['bf16'], row['fused'], row['cpu diff']]
+            for result in ratios.values():
+                r = result.get(spec)
+                cells += [f"{r['eval']:.2f}", f"{r['train']:.2f}", f"{r['memory']:.2f}"] if r else ['-'] * 3
         lines.append('| ' + ' | '.join([f'`{spec}`'] + cells) + ' |')
-    base = ratios['none']
-    note = f"\nnone: eval {base['eval_ms']:.1f} ms, train {base['train_ms']:.1f} ms ({args.model}, batch {args.batch})"
+    notes = [f"columns: e = eager, c = compiled (against compiled none), then the batch size ({args.model}, 224 px)"]
+    for (mode, batch), result in ratios.items():
+        base = result['none']
+        notes.append(f"none, {mode}, batch {batch}: eval {base['eval_ms']:.1f} ms, train {base['train_ms']:.1f} ms")
     if cam_specs:
-        note += (f"; camera encodings: ratios against one plain attention layer on the same tokens "
-                 f"({ratios['none (camera layer)']['train_ms']:.1f} ms train)")
-    lines.append(note + ('; timed compiled (torch.compile)' if args.compile else ''))
-    text = '\n'.join(lines)
+        notes.append('camera encodings: ratios against one plain attention layer on the same 8 x 16 x 16 tokens '
+                     '(batch 4, first batch column of each mode)')
+    if skipped:
+        notes.append(f'skipped to keep the {args.budget_min:g} min budget: {"; ".join(skipped)}')
+    text = '\n'.join(lines + [''] + notes)
     print('\n' + text, flush=True)
+    elapsed('done')
     if args.out:
         with open(args.out, 'w') as f:
             f.write(text + '\n')

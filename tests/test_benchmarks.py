@@ -42,10 +42,21 @@ def test_rotation_overhead_runs_and_checks_the_dense_baseline(capsys):
 
 def test_cuda_check_smoke_runs_on_the_cpu(capsys):
     from benchmarks.cuda_check import main
-    main(['--device', 'cpu', '--model', 'vit_tiny', '--batch', '1', '--rounds', '1', '--pes', 'rope_axial,alibi2d'])
+    main(['--device', 'cpu', '--model', 'vit_tiny', '--batch', '1', '--rounds', '1', '--pes', 'rope_axial,alibi2d',
+          '--modes', 'eager'])
     out = capsys.readouterr().out
-    assert '| `rope_axial` | yes | yes | yes |' in out
+    assert '| `rope_axial` | yes | yes | yes | 0 |' in out  # no fused kernel on the CPU
     assert '| `alibi2d` | no |' in out  # a bias encoding claims no flash
+    assert 'eval x (e1) | train x (e1) | mem x (e1) |' in out and 'skipped' not in out
+
+
+def test_cuda_check_keeps_to_its_budget_by_skipping_whole_timing_groups(capsys):
+    from benchmarks.cuda_check import main
+    main(['--device', 'cpu', '--model', 'vit_tiny', '--batch', '1,2', '--rounds', '1', '--pes', 'rope_axial',
+          '--budget-min', '0'])
+    out = capsys.readouterr().out
+    assert 'skipped to keep the 0 min budget: eager, batch 1; eager, batch 2; compiled, batch 1; compiled, batch 2' in out
+    assert '| `rope_axial` | yes | yes | yes | 0 |' in out and 'eval x' not in out
 
 
 def test_profile_step_reports_each_encoding_against_no_encoding(capsys):
