@@ -73,6 +73,19 @@ def rotated_logits(pe, pos, q, k, layer: int = 1) -> torch.Tensor:
     return q2 @ k2.transpose(-2, -1)
 
 
+def naflex_hooks(pe, x, q, k, v, pos):
+    """The hooks' outputs on tokens ``x`` and projections ``q, k, v`` at ``pos``: the tokens after ``embed``,
+    the attention output with the padded keys masked (prefix keys always attended), the tokens after
+    ``between_blocks`` of block 0."""
+    mask = None
+    if pos.key_padding_mask is not None:
+        pad = torch.cat([torch.zeros(len(x), pos.num_prefix, dtype=torch.bool), pos.key_padding_mask], 1)
+        mask = ~pad[:, None, None, :]
+    y = pe.embed(x, pos)
+    o = vispe.pe_attention(q, k, v, pe, pe.prepare(pos), layer=0, x=y, attn_mask=mask)
+    return y, o, pe.between_blocks(y, pos, 0)
+
+
 def naflex_max_error(pe, grids, num_prefix=1, num_tokens=None, seed=0):
     """Largest difference, over every sample's real tokens, between running ``pe``'s hooks (``embed``,
     ``prepare`` + `pe_attention` with the padded keys masked, ``between_blocks`` after block 0) on a
@@ -84,21 +97,13 @@ def naflex_max_error(pe, grids, num_prefix=1, num_tokens=None, seed=0):
     x = torch.randn(B, N, ctx.dim, generator=g)
     q, k, v = (torch.randn(B, ctx.num_heads, N, ctx.head_dim, generator=g) for _ in range(3))
 
-    def run(x, q, k, v, pos):
-        mask = None
-        if pos.key_padding_mask is not None:
-            pad = torch.cat([torch.zeros(len(x), pos.num_prefix, dtype=torch.bool), pos.key_padding_mask], 1)
-            mask = ~pad[:, None, None, :]
-        y = pe.embed(x, pos)
-        o = vispe.pe_attention(q, k, v, pe, pe.prepare(pos), layer=0, x=y, attn_mask=mask)
-        return y, o, pe.between_blocks(y, pos, 0)
-
     with torch.no_grad():
-        together = run(x, q, k, v, pos)
+        together = naflex_hooks(pe, x, q, k, v, pos)
         err = 0.0
         for b, shape in enumerate(pos.grids):
             n = num_prefix + math.prod(shape)
-            alone = run(x[b:b + 1, :n], q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n], pos.sample(b))
+            alone = naflex_hooks(pe, x[b:b + 1, :n], q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                                 pos.sample(b))
             for full, one, axis in zip(together, alone, (1, 2, 1)):
                 err = max(err, (full[b:b + 1].narrow(axis, 0, n) - one).abs().max().item())
     return err

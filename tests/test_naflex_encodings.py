@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vispe
-from conftest import naflex_max_error
+from conftest import naflex_hooks, naflex_max_error
 from vispe.registry import create_pe
 
 TOL = 1e-5  # float32 rounding: the mixed batch and the sample alone run kernels of different shapes
@@ -165,14 +165,7 @@ def test_naflex_tables_are_cached_by_grids():
 def _weighted_outputs(pe, x, q, k, v, pos, weights):
     """``sum(w * output)`` over the hooks' outputs (tokens after ``embed`` and ``between_blocks``,
     attention output with the padded keys masked)."""
-    mask = None
-    if pos.key_padding_mask is not None:
-        pad = torch.cat([torch.zeros(len(x), pos.num_prefix, dtype=torch.bool), pos.key_padding_mask], 1)
-        mask = ~pad[:, None, None, :]
-    y = pe.embed(x, pos)
-    o = vispe.pe_attention(q, k, v, pe, pe.prepare(pos), layer=0, x=y, attn_mask=mask)
-    z = pe.between_blocks(y, pos, 0)
-    return sum((w * t).sum() for w, t in zip(weights, (y, o, z)))
+    return sum((w * t).sum() for w, t in zip(weights, naflex_hooks(pe, x, q, k, v, pos)))
 
 
 @pytest.mark.parametrize('spec', ['learned', 'peg', 'swin_rpb', 'irpe:mode=bias,on=qkv', 'pape'])
