@@ -52,6 +52,11 @@ PARITY: Dict[str, dict] = {
     'vit_base_patch16_xp_224': TINY,  # ParallelScalingBlock, qk-norm, RmsNorm
     'eva_large_patch14_196': TINY,
     'deit3_small_patch16_224': TINY,  # no_embed_class, layer scale
+    'deit_tiny_distilled_patch16_224': TINY,  # distillation token, two heads
+    'deit_base_distilled_patch16_384': TINY,
+    'vit_dwee_patch16_reg1_gap_256': TINY,  # differential attention (DiffAttention)
+    'vit_dlittle_patch16_reg1_gap_256': TINY,
+    'vit_dpwee_patch16_reg1_gap_256': TINY,  # DiffParallelScalingBlock
     # eva: rope, and learned + rope
     'eva02_tiny_patch14_224': TINY,  # EVA-02: ref_feat_shape rescale, SwiGLU, q/v bias
     'eva02_small_patch14_336': TINY,
@@ -127,11 +132,17 @@ def build(name: str, pe, full: bool = False) -> nn.Module:
 
 
 def _reason(error: str) -> str:
-    for key, short in (('Diff', 'differential attention'), ('VisionTransformerDistilled', 'distillation token'),
-                       ("'cameras'", 'needs cameras')):
+    for key, short in (("'cameras'", 'needs cameras'),
+                       ('differential attention', 'acts on v, the output or the weights, or widens the head: '
+                                                  'differential attention')):
         if key in error:
             return short
     return error.split('cannot apply to this model: ')[-1][:90]
+
+
+def _only(models: set, built: int) -> str:
+    """The models a refusal concerns, where it is not all those of the family that build."""
+    return '' if len(models) == built else ': ' + ', '.join(f'`{m}`' for m in sorted(models))
 
 
 def coverage(full: bool) -> None:
@@ -139,7 +150,8 @@ def coverage(full: bool) -> None:
     rows: Dict[str, Dict[str, object]] = collections.OrderedDict()
     for module in ZOO_MODULES:
         for name in timm.list_models(module=module):
-            fam = rows.setdefault(family(name), dict(n=0, all=0, models={}, encodings=collections.defaultdict(set)))
+            fam = rows.setdefault(family(name), dict(n=0, all=0, models={}, encodings=collections.defaultdict(set),
+                                                     refusers=collections.defaultdict(set)))
             fam['n'] += 1
             refused = {}
             for pe in encodings:
@@ -153,12 +165,14 @@ def coverage(full: bool) -> None:
                 fam['all'] += 1
                 for pe, why in refused.items():
                     fam['encodings'][why].add(pe)
+                    fam['refusers'][why].add(name)
     print(f'| family | entrypoints | build with every applicable encoding ({len(encodings)} registered) | '
           f'refused models (why) | refused encodings (why) |')
     print('| --- | --- | --- | --- | --- |')
     for fam, row in sorted(rows.items(), key=lambda kv: -kv[1]['n']):
         models = ', '.join(f'`{m}` ({why})' for m, why in row['models'].items()) or '-'
-        refused = '; '.join(f'{", ".join(sorted(pes))} ({why})' for why, pes in row['encodings'].items()) or '-'
+        refused = '; '.join(f'{", ".join(sorted(pes))} ({why}{_only(row["refusers"][why], row["all"])})'
+                            for why, pes in row['encodings'].items()) or '-'
         print(f'| {fam} | {row["n"]} | {row["all"]} | {models} | {refused} |')
 
 

@@ -175,6 +175,9 @@ FAMILIES = [
     'test_vit3',                       # MAP head over the register token too (pool_include_prefix)
     'eva02_tiny_patch14_224',          # Eva with its rope (rope_timm), avg pooling
     'vit_pe_core_tiny_patch16_384',    # Perception Encoder (Eva): rope, MAP head
+    'vit_dwee_patch16_reg1_gap_256',   # differential attention: the encoding on 2H q/k heads
+    'vit_dpwee_patch16_reg1_gap_256',  # differential attention in the parallel scaling block
+    'deit_tiny_distilled_patch16_224', # distillation token (second prefix token), two heads
 ]
 
 

@@ -6,6 +6,8 @@ saved to a file and loaded by the wrapped entrypoint with ``pe=timm_pe_spec(mode
 ``pretrained=True`` and ``pretrained_cfg_overlay=dict(file=...)``: timm's own loader and filters
 run, then the conversion; its logits equal timm's model's to 1e-5.
 """
+import copy
+
 import pytest
 import timm
 import torch
@@ -13,7 +15,7 @@ from timm.models import _registry
 from torch import nn
 
 import vispe
-from benchmarks.zoo_coverage import PARITY, build, parity
+from benchmarks.zoo_coverage import PARITY, build, parity, sharpen
 from vispe.zoo import ZOO_MODULES
 
 ALL_ENTRYPOINTS = [n for m in ZOO_MODULES for n in timm.list_models(module=m)]
@@ -124,6 +126,7 @@ def test_checkpoint_at_another_resolution_loads_as_timm_loads_it(tmp_path):
     ref = timm.create_model('vit_small_patch14_reg4_dinov2', **load).eval()
     model = timm.create_model('vit_small_patch14_reg4_dinov2', pe='learned', **load).eval()
     assert model.pe.pos_embed.shape == ref.pos_embed.shape == (1, 16 * 16, 64)  # no_embed_class
+    assert model.pretrained_report.resampled == ['pe.pos_embed']  # timm's filter resampled it from 37x37
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
         assert (model(x) - ref(x)).abs().max() <= 1e-5
@@ -138,14 +141,64 @@ def test_checkpoint_table_of_another_grid_is_resampled_by_the_encoding():
     assert resampled == ['pos_embed'] and entries['pos_embed'].shape == (1, 1 + 16 * 16, 64)
 
 
-@pytest.mark.parametrize('name, pe', [
-    ('vit_small_patch16_224', 'prope'), ('eva02_tiny_patch14_224', 'plucker'),
-    ('vit_dwee_patch16_reg1_gap_256', 'rope_mixed'), ('vit_dpwee_patch16_reg1_gap_256', 'learned'),
-    ('deit_tiny_distilled_patch16_224', 'learned'),
+@pytest.mark.parametrize('name, pe, kwargs, reason', [
+    ('vit_small_patch16_224', 'prope', {}, 'cameras'), ('eva02_tiny_patch14_224', 'plucker', {}, 'cameras'),
+    ('vit_dwee_patch16_reg1_gap_256', 'gta', {}, 'acts on v and acts on the attention output'),
+    ('vit_dpwee_patch16_reg1_gap_256', 'pape', {}, 'widens the head'),
+    ('vit_dlittle_patch16_reg1_gap_256', {'name': 'irpe', 'on': 'qkv'}, {}, 'from the attention weights'),
+    ('deit_tiny_distilled_patch16_224', 'learned', dict(reg_tokens=1), 'register tokens'),
 ])
-def test_refusals_name_the_model_and_the_reason(name, pe):
-    with pytest.raises(ValueError, match=name):
-        timm.create_model(name, pe=pe, device='meta')
+def test_refusals_name_the_model_and_the_reason(name, pe, kwargs, reason):
+    with pytest.raises(ValueError, match=name) as err:
+        timm.create_model(name, pe=pe, device='meta', **kwargs)
+    assert reason in str(err.value)
+
+
+# ---------------------------------------------------------------------- differential attention, distillation
+@pytest.mark.parametrize('name', ['vit_dwee_patch16_reg1_gap_256', 'vit_dpwee_patch16_reg1_gap_256'])
+def test_differential_attention_gives_the_encoding_its_2h_qk_heads(name):
+    model = timm.create_model(name, pe='rope_mixed', depth=1, embed_dim=64, num_heads=2, device='meta')
+    assert (model.pe.ctx.num_heads, model.pe.ctx.head_dim) == (4, 16)
+    assert model.pe.freqs.shape[-2] == 4  # one frequency set per q/k head
+
+
+@pytest.mark.parametrize('name', ['vit_dwee_patch16_reg1_gap_256', 'vit_dpwee_patch16_reg1_gap_256'])
+def test_differential_attention_explicit_path_equals_timms(name):
+    """timm's explicit path subtracts the maps before multiplying by v, vispe after: the same to 1e-5."""
+    torch.manual_seed(0)
+    ref = timm.create_model(name, depth=2, embed_dim=64, num_heads=2, img_size=64, dynamic_img_size=True).eval()
+    sharpen(ref)
+    model = vispe.convert(copy.deepcopy(ref), 'learned').eval()
+    for m in list(ref.modules()) + list(model.modules()):
+        if hasattr(m, 'fused_attn'):
+            m.fused_attn = False
+    x = torch.randn(2, 3, 48, 80)
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max() <= 1e-5
+
+
+def test_distilled_heads_and_training_outputs_are_timms():
+    torch.manual_seed(0)
+    ref = timm.create_model('deit_tiny_distilled_patch16_224', depth=2, embed_dim=64, num_heads=2, img_size=64)
+    sharpen(ref)
+    model = vispe.convert(copy.deepcopy(ref), 'learned')
+    x = torch.randn(2, 3, 64, 64)
+    for m in (ref, model):
+        m.set_distilled_training(True)
+    out, want = model.train()(x), ref.train()(x)  # no dropout here: train mode is deterministic
+    assert isinstance(out, tuple) and len(out) == 2
+    for o, w in zip(out, want):
+        torch.testing.assert_close(o, w, atol=1e-5, rtol=0)
+    assert not torch.allclose(out[0], out[1], atol=1e-3)  # the two heads differ
+    sum(o.sum() for o in out).backward()
+    assert model.dist_token.grad is not None and model.head_dist.weight.grad is not None
+    with torch.no_grad():
+        model.eval(), ref.eval()
+        torch.testing.assert_close(model(x), (out[0] + out[1]).detach() / 2, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model.forward_head(model.forward_features(x), pre_logits=True),
+                                   ref.forward_head(ref.forward_features(x), pre_logits=True), atol=1e-5, rtol=0)
+    assert model.get_classifier() == (model.head, model.head_dist)
+    assert 'dist_token' in model.no_weight_decay()
 
 
 def test_naflex_and_double_conversion_are_refused():
@@ -166,6 +219,9 @@ def test_naflex_and_double_conversion_are_refused():
     ('vit_small_patch16_dinov3', 'string_cayley', {}),
     ('vit_base_patch16_sapiens2', 'rope_mixed', {}),  # grouped-query
     ('vit_pe_core_tiny_patch16_384', 'comrope_ld', {}),
+    ('vit_dwee_patch16_reg1_gap_256', 'rope_mixed', dict(dynamic_img_size=True)),  # differential attention
+    ('vit_dpwee_patch16_reg1_gap_256', 'irpe+liere', {}),  # differential parallel block
+    ('deit_tiny_distilled_patch16_224', 'rope_axial+learned', dict(dynamic_img_size=True)),  # distillation token
 ])
 def test_converted_models_run_and_train(name, pe, kwargs):
     small = dict(embed_dim=64, num_heads=2, num_kv_heads=1) if 'sapiens2' in name else dict(embed_dim=64, num_heads=2)
@@ -206,7 +262,7 @@ def _applies(pe: str) -> bool:
     return not vispe.pe_info(pe)['cls'].requires
 
 
-_REFUSED = ('DiffAttention', 'DiffParallelScalingBlock', 'VisionTransformerDistilled')
+_REFUSED = ('cannot apply to differential attention',)
 
 
 def _check_builds(name: str, pe, full: bool = False) -> None:

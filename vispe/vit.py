@@ -162,6 +162,10 @@ class PEHost:
         return P.grid(*grid, num_prefix=self.num_prefix_tokens, train_grid=self.patch_embed.grid_size,
                       device=device)
 
+    def _prefix_tokens(self) -> List[Optional[torch.Tensor]]:
+        """The learned prefix tokens in their order in the sequence (None: absent)."""
+        return [self.cls_token, self.reg_token]
+
     def _embed_naflex(self, batch: Dict[str, torch.Tensor], attn_mask: Optional[torch.Tensor]
                       ) -> Tuple[torch.Tensor, P.Positions, torch.Tensor, torch.Tensor]:
         """A NaFlex batch (`vispe.naflex`) as tokens, their per-sample positions, the attention mask
@@ -177,7 +181,7 @@ class PEHost:
         pos = naflex_positions(batch['patch_coord'], valid, self.num_prefix_tokens,
                                tuple(self.patch_embed.grid_size))
         x = embed_patches(self.patch_embed, batch['patches'])
-        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        prefix = [t.expand(x.shape[0], -1, -1) for t in self._prefix_tokens() if t is not None]
         if prefix:
             x = torch.cat(prefix + [x], dim=1)
         x = self.pos_drop(self.pe.embed(x, pos))
@@ -198,7 +202,7 @@ class PEHost:
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, P.Positions]:
         x = _checked_input(x, self.video, tuple(self.patch_embed.patch_size),
                            getattr(self.patch_embed, 'dynamic_img_pad', False), getattr(self.patch_embed, 'tubelet', 1))
-        x, pos = _token_sequence(self.patch_embed(x), [self.cls_token, self.reg_token], self.num_prefix_tokens,
+        x, pos = _token_sequence(self.patch_embed(x), self._prefix_tokens(), self.num_prefix_tokens,
                                  tuple(self.patch_embed.grid_size))
         x = self.pos_drop(_pe_hook(self.pe, 'embed', x, pos))
         if self.patch_drop is not None:

@@ -1,15 +1,15 @@
 """timm's ViT zoo with any vispe encoding: `convert` and ``timm.create_model(..., pe=...)``.
 
-`convert` turns an already-built timm ``VisionTransformer`` or ``Eva`` (any of the 228 entrypoints of
-``timm.models.vision_transformer`` and ``timm.models.eva``, or e.g. open_clip's timm tower
-``.trunk``) into a PE host in place: every attention module and block becomes its PE-aware subclass
+`convert` turns an already-built timm ``VisionTransformer`` (DeiT's distilled one included) or ``Eva``
+(any of the entrypoints of ``timm.models.vision_transformer``, ``deit`` and ``eva``, or e.g. open_clip's
+timm tower ``.trunk``) into a PE host in place: every attention module and block becomes its PE-aware subclass
 (the same parameters, buffers and names, so the model's weights stay exactly where they were), the
 model's ``pos_embed`` (and Eva's ``rope``) is replaced by the encoding ``model.pe``, and the
 checkpoint's table is handed to the encoding (``adopt_pos_embed``; a timm rope's learned
 frequencies to the encoding's ``adopt_timm_rope``). ``model.pretrained_report`` says what was
 dropped, initialised and resampled.
 
-``import vispe`` wraps each entrypoint of both timm modules so that it accepts ``pe=``: without it
+``import vispe`` wraps each entrypoint of these timm modules so that it accepts ``pe=``: without it
 the original entrypoint runs untouched (same class, outputs, state dict, pretrained configs); with
 it timm builds (and loads) the model through its own entrypoint, loader and checkpoint filters, then
 `convert` runs. ``timm_pe_spec(model)`` is the spec of the model's own encoding (``learned``,
@@ -19,27 +19,30 @@ Block types kept: ``Block``, ``ResPostBlock``, ``ParallelScalingBlock``, ``Paral
 (its parallel attentions share the block's layer index), ``EvaBlock``, ``EvaBlockPostNorm``; attention
 ``Attention``, ``EvaAttention`` (fused or separate q/k/v, ``q_bias`` / ``v_bias``) and
 ``AttentionRope`` (grouped-query: k and v are repeated to every head before the encoding acts, so
-per-head encodings see one key per head). Differential attention is refused: it forms two softmax
-maps per head of half width, while vispe encodings act on one attention map per head.
+per-head encodings see one key per head), ``DiffAttention`` and ``DiffParallelScalingBlock``
+(differential attention: the encoding sees the 2H q/k heads of width hd, see `_PEDifferential`).
+DeiT's ``VisionTransformerDistilled`` keeps its distillation token as the second prefix token and
+its two heads (`PEVisionTransformerDistilled`).
 """
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import timm
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention, AttentionRope, PatchDropout, PatchDropoutWithIndices
+from timm.layers import Attention, AttentionRope, DiffAttention, PatchDropout, PatchDropoutWithIndices
 from timm.layers.pos_embed_sincos import (
     RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed, RotaryEmbeddingMRope,
 )
 from timm.models import _registry
 from timm.models._features import FeatureGetterNet
+from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
 from timm.models.vision_transformer import (
-    Block, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock,
+    Block, DiffParallelScalingBlock, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock,
 )
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import nn
@@ -50,7 +53,7 @@ from .positions import Positions
 from .registry import PESpec, create_pe
 from .vit import LoadReport, PEBlock, PEHost, VisionTransformer, adopt_pos_embed
 
-__all__ = ['convert', 'timm_pe_spec', 'ZOO_MODULES', 'PEEva']
+__all__ = ['convert', 'timm_pe_spec', 'ZOO_MODULES', 'PEEva', 'PEVisionTransformerDistilled']
 
 _logger = logging.getLogger(__name__)
 
@@ -133,6 +136,50 @@ class PEAttentionRope(_PEOutput, AttentionRope):
         return self._attend(x, q, k, v, gate, pe, state, attn_mask, is_causal, pos)
 
 
+class _PEDifferential:
+    """The part both PE-aware differential attentions share (Differential Transformer, Ye et al. 2024,
+    https://arxiv.org/abs/2410.05258, as timm's ``DiffAttention``): q and k have 2H heads of width hd,
+    heads 2h and 2h + 1 forming the pair of head h, whose value ``v_h`` has width 2hd. The encoding
+    acts on the 2H q/k heads (its context: 2H heads of width hd) in one `pe_attention` call with
+    ``v_h`` repeated to both heads of the pair; the pair's outputs then combine as timm's
+    ``softmax(q1 k1) v - lambda softmax(q2 k2) v``, ``sub_norm``, ``(1 - lambda_init)``. An encoding
+    acting on v, on the output or on the weights, or widening the head, cannot apply to the pair of
+    maps (`convert` refuses it)."""
+    layer_index: int = 0
+
+    def _differential(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      pe: Optional[PositionalEncoding], state: Any, attn_mask: Optional[torch.Tensor],
+                      is_causal: bool, pos: Optional[Positions]) -> torch.Tensor:
+        """``(B, N, C)`` from q, k ``(B, 2H, N, hd)`` and v ``(B, H, N, 2hd)``."""
+        B, N = x.shape[:2]
+        lambda_full = self._compute_lambda().type_as(q)
+        o = pe_attention(q, k, v.repeat_interleave(2, dim=1), pe, state, self.layer_index, x=x, attn_mask=attn_mask,
+                         dropout_p=self.attn_drop_p if self.training else 0.0, scale=self.scale,
+                         is_causal=is_causal, force_explicit=not self.fused_attn, pos_q=pos)
+        o1, o2 = o.unflatten(1, (self.num_heads, 2)).unbind(2)
+        o = self.sub_norm(o1 - lambda_full * o2) * (1 - self.lambda_init)
+        return o.transpose(1, 2).reshape(B, N, -1)
+
+    def _qkv_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(B, N, C)`` projections as timm splits them: 2H q/k heads of width hd (normed), H v heads of 2hd."""
+        B, N, _ = q.shape
+        q = self.q_norm(q.reshape(B, N, 2 * self.num_heads, self.head_dim).transpose(1, 2))
+        k = self.k_norm(k.reshape(B, N, 2 * self.num_heads, self.head_dim).transpose(1, 2))
+        return q, k, v.reshape(B, N, self.num_heads, 2 * self.head_dim).transpose(1, 2)
+
+
+class PEDiffAttention(_PEDifferential, DiffAttention):
+    """timm's `DiffAttention` (same parameters) with the encoding's hooks on its 2H q/k heads."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        q, k, v = self._qkv_heads(*self.qkv(x).chunk(3, dim=2))
+        o = self._differential(x, q, k, v, pe, state, attn_mask, is_causal, pos)
+        return self.proj_drop(self.proj(self.norm(o)))
+
+
 # ---------------------------------------------------------------------- blocks
 class PEResPostBlock(ResPostBlock):
     """timm's post-norm `ResPostBlock` whose attention receives the encoding."""
@@ -185,6 +232,23 @@ class PEParallelScalingBlock(ParallelScalingBlock):
         return x + self.drop_path(self.ls(y))
 
 
+class PEDiffParallelScalingBlock(_PEDifferential, DiffParallelScalingBlock):
+    """timm's `DiffParallelScalingBlock` (ViT-22B parallel block with differential attention) with the
+    encoding's hooks on its 2H q/k heads."""
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        y = self.in_norm(x)
+        x_mlp, q, k, v = torch.split(self.in_proj(y), self.in_split, dim=-1)
+        if self.mlp_bias is not None:
+            x_mlp = x_mlp + self.mlp_bias
+        x_attn = self._differential(y, *self._qkv_heads(q, k, v), pe, state, attn_mask, is_causal, pos)
+        x_mlp = self.mlp_drop(self.mlp_act(x_mlp))
+        y = self.out_proj(torch.cat((x_attn, x_mlp), dim=-1))
+        return x + self.drop_path(self.ls(y))
+
+
 class PEEvaBlock(EvaBlock):
     """timm's pre-norm `EvaBlock` (SwiGLU, layer scale ``gamma_1`` / ``gamma_2``, qk-norm, scale
     norm) whose attention receives the encoding instead of a rope table."""
@@ -234,19 +298,46 @@ class PEEva(PEHost, Eva):
                     blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
 
 
-_HOSTS: Dict[Type[nn.Module], Type[nn.Module]] = {TimmVisionTransformer: VisionTransformer, Eva: PEEva}
+class PEVisionTransformerDistilled(VisionTransformer, VisionTransformerDistilled):
+    """DeiT's `VisionTransformerDistilled` (Touvron et al. 2021, https://arxiv.org/abs/2012.12877) as a
+    vispe host: the distillation token is the second prefix token (class, distillation, as timm orders
+    them), and the two heads, ``distilled_training`` and the train / eval outputs are timm's."""
+
+    def _prefix_tokens(self) -> List[Optional[torch.Tensor]]:
+        return [self.cls_token, self.dist_token]
+
+    def forward_head(self, x: Union[torch.Tensor, Dict[str, torch.Tensor]], pre_logits: bool = False,
+                     patch_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """timm's distilled head; it reads the two prefix tokens only, so a NaFlex batch's padding
+        (``patch_valid``) cannot reach it."""
+        if isinstance(x, dict):
+            x = x['patches']
+        return VisionTransformerDistilled.forward_head(self, x, pre_logits)
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(stem=r'^cls_token|dist_token|pe\.|patch_embed|norm_pre',
+                    blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
+
+
+_HOSTS: Dict[Type[nn.Module], Type[nn.Module]] = {
+    TimmVisionTransformer: VisionTransformer, VisionTransformerDistilled: PEVisionTransformerDistilled, Eva: PEEva,
+}
 _BLOCKS: Dict[Type[nn.Module], Type[nn.Module]] = {
     Block: PEBlock, ResPostBlock: PEResPostBlock, ParallelThingsBlock: PEParallelThingsBlock,
-    ParallelScalingBlock: PEParallelScalingBlock, EvaBlock: PEEvaBlock, EvaBlockPostNorm: PEEvaBlockPostNorm,
+    ParallelScalingBlock: PEParallelScalingBlock, DiffParallelScalingBlock: PEDiffParallelScalingBlock,
+    EvaBlock: PEEvaBlock, EvaBlockPostNorm: PEEvaBlockPostNorm,
 }
 _ATTENTIONS: Dict[Type[nn.Module], Type[nn.Module]] = {
     Attention: PETimmAttention, EvaAttention: PEEvaAttention, AttentionRope: PEAttentionRope,
+    DiffAttention: PEDiffAttention,
 }
+_PARALLEL = (ParallelScalingBlock, DiffParallelScalingBlock)  # blocks that are their own attention
 
 
 def _attentions(block: nn.Module) -> List[nn.Module]:
-    """The attention modules of a block (the block itself for ParallelScalingBlock)."""
-    if isinstance(block, ParallelScalingBlock):
+    """The attention modules of a block (the block itself for the parallel scaling blocks)."""
+    if isinstance(block, _PARALLEL):
         return [block]
     if isinstance(block, ParallelThingsBlock):
         return [a.attn for a in block.attns]
@@ -268,17 +359,34 @@ def _check_convertible(model: nn.Module, label: str) -> None:
                 'vispe.naflex_batch(...)' if type(model).__name__ == 'NaFlexVit' else '')
         raise ValueError(f'{label}: vispe.convert takes timm VisionTransformer or Eva models, got '
                          f'{type(model).__module__}.{type(model).__name__}{hint}')
+    if isinstance(model, VisionTransformerDistilled) and model.reg_token is not None:
+        raise ValueError(f'{label}: a VisionTransformerDistilled with register tokens (reg_tokens='
+                         f'{model.reg_token.shape[1]}): timm leaves them out of its sequence; use reg_tokens=0')
     for i, block in enumerate(model.blocks):
         if type(block) not in _BLOCKS:
-            reason = ('differential attention forms two softmax maps per head of half width; vispe encodings act '
-                      'on one attention map per head') if 'Diff' in type(block).__name__ else 'not a known timm block'
-            raise ValueError(f'{label}: block {i} is a {type(block).__name__}, which vispe cannot host ({reason})')
+            raise ValueError(f'{label}: block {i} is a {type(block).__name__}, which vispe cannot host '
+                             f'(not a known timm block)')
         for attn in _attentions(block):
             if attn is not block and type(attn) not in _ATTENTIONS:
-                reason = ('differential attention forms two softmax maps per head of half width; vispe encodings '
-                          'act on one attention map per head') if 'Diff' in type(attn).__name__ else \
-                    'not a known timm attention'
-                raise ValueError(f'{label}: block {i} has a {type(attn).__name__}, which vispe cannot host ({reason})')
+                raise ValueError(f'{label}: block {i} has a {type(attn).__name__}, which vispe cannot host '
+                                 f'(not a known timm attention)')
+
+
+def _is_differential(model: nn.Module) -> bool:
+    return any(isinstance(a, (DiffAttention, DiffParallelScalingBlock)) for b in model.blocks for a in _attentions(b))
+
+
+def _check_differential(enc: PositionalEncoding, pe: PESpec, label: str) -> None:
+    """Refuse an encoding that cannot act on a differential attention's pair of softmax maps."""
+    caps = enc.capabilities
+    why = [what for what, bad in (
+        ('acts on v', 'value' in caps.hooks), ('acts on the attention output', 'output' in caps.hooks),
+        ('adds a term from the attention weights', caps.needs_weights), ('widens the head', caps.changes_head_dim),
+    ) if bad]
+    if why:
+        raise ValueError(f'{label}: pe={pe!r} cannot apply to differential attention: the encoding '
+                         f'{" and ".join(why)}, while the two softmax maps of a head pair share one value and '
+                         'one output; only q/k maps, logit biases and token embeddings apply')
 
 
 def _rope_spec(rope: nn.Module, label: str) -> Dict[str, Any]:
@@ -327,16 +435,21 @@ def timm_pe_spec(model: nn.Module) -> PESpec:
 
 
 def _context(model: nn.Module) -> PEContext:
+    """The encoding's context: the heads its q/k maps see (differential attention: 2H of width hd)."""
     first = _attentions(model.blocks[0])[0] if len(model.blocks) else None
     num_heads = first.num_heads if first is not None else 1
+    if isinstance(first, (DiffAttention, DiffParallelScalingBlock)):
+        num_heads *= 2
     return PEContext(dim=model.embed_dim, num_heads=num_heads,
                      head_dim=first.head_dim if first is not None else model.embed_dim, depth=len(model.blocks),
                      grid_size=tuple(model.patch_embed.grid_size), num_prefix_tokens=model.num_prefix_tokens,
                      embed_prefix=not model.no_embed_class)
 
 
-def _adopt(model: nn.Module, pe: PositionalEncoding) -> Tuple[Dict[str, torch.Tensor], LoadReport]:
-    """What of the model's own position weights the encoding takes over, and the report."""
+def _adopt(model: nn.Module, pe: PositionalEncoding, loaded_grid: Optional[Tuple[int, ...]] = None
+           ) -> Tuple[Dict[str, torch.Tensor], LoadReport]:
+    """What of the model's own position weights the encoding takes over, and the report; a table
+    the loader resampled from ``loaded_grid`` counts as resampled."""
     entries: Dict[str, torch.Tensor] = {}
     dropped: List[str] = []
     resampled: List[str] = []
@@ -348,6 +461,8 @@ def _adopt(model: nn.Module, pe: PositionalEncoding) -> Tuple[Dict[str, torch.Te
         entries.update(found)
         if not found:
             dropped.append('pos_embed')
+        elif loaded_grid is not None and tuple(loaded_grid) != tuple(model.patch_embed.grid_size):
+            resampled = sorted(set(resampled) | set(found))
     rope = getattr(model, 'rope', None)
     if rope is not None:
         taken = pe.adopt_timm_rope(rope)
@@ -359,8 +474,10 @@ def _adopt(model: nn.Module, pe: PositionalEncoding) -> Tuple[Dict[str, torch.Te
     return entries, LoadReport(dropped=dropped, initialized=initialized, resampled=[f'pe.{k}' for k in resampled])
 
 
-def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None, **options: Any) -> nn.Module:
-    """Make a built timm ``VisionTransformer`` or ``Eva`` a vispe host with encoding ``pe``, in place.
+def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None,
+            loaded_grid: Optional[Tuple[int, ...]] = None, **options: Any) -> nn.Module:
+    """Make a built timm ``VisionTransformer`` (DeiT's distilled one too) or ``Eva`` a vispe host with
+    encoding ``pe``, in place.
 
     Every weight of the model stays (same names); its ``pos_embed`` is handed to the encoding
     (``adopt_pos_embed``: a ``learned`` table takes it, resampled to its grid) and its rope
@@ -372,15 +489,17 @@ def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None, **optio
         model: the timm model (on any device, the meta device included).
         pe: encoding spec (``'rope_mixed'``, ``'irpe+learned'``, ``timm_pe_spec(model)``, ...).
         name: the model's name for error messages (default: its pretrained config's architecture).
+        loaded_grid: the token grid of the checkpoint the model's table was loaded from; when it is
+            not the model's, timm's loader resampled the table, and the report says so.
         options: options of a single encoding, overriding the spec's.
 
     Returns:
-        The same model object, now a `vispe.VisionTransformer` or `PEEva`.
+        The same model object, now a `vispe.VisionTransformer`, `PEVisionTransformerDistilled` or `PEEva`.
 
     Raises:
-        ValueError: a model vispe cannot host (another class, differential attention, NaFlexVit) or
-            an encoding that cannot apply to it (one that needs cameras, other head widths), naming
-            the model and the reason.
+        ValueError: a model vispe cannot host (another class, NaFlexVit) or an encoding that cannot
+            apply to it (one that needs cameras, other head widths, one acting on v or the output of a
+            differential attention), naming the model and the reason.
     """
     label = _model_name(model, name)
     _check_convertible(model, label)
@@ -395,11 +514,13 @@ def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None, **optio
     if caps.requires:
         raise ValueError(f'{label}: pe={pe!r} needs {sorted(caps.requires)} in its positions, which an image '
                          'ViT does not supply (use a camera-aware host)')
+    if _is_differential(model):
+        _check_differential(enc, pe, label)
     drop_rate = getattr(model.patch_drop, 'prob', 0.0) if model.patch_drop is not None else 0.0
     if drop_rate > 0 and caps.between_blocks:
         raise ValueError(f'{label}: pe={pe!r} acts between blocks on the full token grid, which patch dropout '
                          f'(patch_drop_rate={drop_rate}) removes')
-    entries, report = _adopt(model, enc)
+    entries, report = _adopt(model, enc, loaded_grid)
     with torch.no_grad():
         missing, unexpected = enc.load_state_dict(entries, strict=False)
     if unexpected:
@@ -429,6 +550,14 @@ def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None, **optio
 
 
 # ---------------------------------------------------------------------- timm entrypoints
+def _checkpoint_grid(model: nn.Module) -> Optional[Tuple[int, ...]]:
+    """The token grid of the checkpoint timm loaded (its pretrained config's input size over the
+    patch size), whose ``pos_embed`` timm's own filter resampled to the model's grid if they differ."""
+    size = (getattr(model, 'pretrained_cfg', None) or {}).get('input_size')
+    patch = tuple(model.patch_embed.patch_size)
+    return tuple(s // p for s, p in zip(size[-2:], patch)) if size else None
+
+
 def _wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """``fn`` accepting ``pe=``; without it, ``fn`` itself runs."""
     @functools.wraps(fn)
@@ -438,7 +567,8 @@ def _wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         pe = kwargs.pop('pe')
         model = fn(pretrained=pretrained, **kwargs)
         # features_only=True: timm wraps the model, which serves forward_intermediates to the wrapper
-        convert(model.model if isinstance(model, FeatureGetterNet) else model, pe, name=fn.__name__)
+        host = model.model if isinstance(model, FeatureGetterNet) else model
+        convert(host, pe, name=fn.__name__, loaded_grid=_checkpoint_grid(host) if pretrained else None)
         return model
     entrypoint._vispe_original = fn
     return entrypoint
