@@ -62,44 +62,42 @@ ZOO_MODULES = ('vision_transformer', 'deit', 'eva')
 
 # ---------------------------------------------------------------------- attention
 class _PEOutput:
-    """The part every PE-aware timm attention shares: `pe_attention` on its own q, k, v, then the
-    module's own output path (scale norm, gate, projection)."""
+    """The part every PE-aware timm attention shares: its own q, k, v (`_project`, after q/k norm),
+    `pe_attention` on them, then the module's own output path (scale norm, gate, projection)."""
     layer_index: int = 0
 
-    def _attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                gate: Optional[torch.Tensor], pe: Optional[PositionalEncoding], state: Any,
-                attn_mask: Optional[torch.Tensor], is_causal: bool, pos: Optional[Positions]) -> torch.Tensor:
+    def _project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                pos: Optional[Positions] = None) -> torch.Tensor:
         B, N = x.shape[:2]
+        q, k, v = self._project(x)
         o = pe_attention(q, k, v, pe, state, self.layer_index, x=x, attn_mask=attn_mask,
                          dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale,
                          is_causal=is_causal, force_explicit=not self.fused_attn, pos_q=pos)
         o = self.norm(o.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim))
-        if gate is not None:
-            o = o * gate
+        if self.gate is not None:
+            o = o * self.gate(x).sigmoid()
         return self.proj_drop(self.proj(o))
 
 
 class PETimmAttention(_PEOutput, Attention):
     """timm's `Attention` (same parameters) with the encoding's hooks."""
 
-    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
-                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                pos: Optional[Positions] = None) -> torch.Tensor:
+    def _project(self, x):
         B, N, _ = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        return self._attend(x, self.q_norm(q), self.k_norm(k), v, gate, pe, state, attn_mask, is_causal, pos)
+        return self.q_norm(q), self.k_norm(k), v
 
 
 class PEEvaAttention(_PEOutput, EvaAttention):
     """timm's `EvaAttention` (fused qkv with ``q_bias`` / ``v_bias`` and no k bias, or separate
     projections) with the encoding's hooks in place of its rope."""
 
-    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
-                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                pos: Optional[Positions] = None) -> torch.Tensor:
+    def _project(self, x):
         B, N, _ = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
         if self.qkv is not None:
             if self.q_bias is None:
                 qkv = self.qkv(x)
@@ -111,18 +109,15 @@ class PEEvaAttention(_PEOutput, EvaAttention):
         else:
             q, k, v = (p(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
                        for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self._attend(x, self.q_norm(q), self.k_norm(k), v, gate, pe, state, attn_mask, is_causal, pos)
+        return self.q_norm(q), self.k_norm(k), v
 
 
 class PEAttentionRope(_PEOutput, AttentionRope):
     """timm's `AttentionRope` (fused or separate projections, grouped-query heads) with the
     encoding's hooks in place of its rope."""
 
-    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
-                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                pos: Optional[Positions] = None) -> torch.Tensor:
+    def _project(self, x):
         B, N, _ = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
         if self.qkv is not None:
             q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         else:
@@ -133,7 +128,7 @@ class PEAttentionRope(_PEOutput, AttentionRope):
         if self.num_kv_groups > 1:  # head h reads kv head h // groups, as timm
             k = k.repeat_interleave(self.num_kv_groups, dim=1)
             v = v.repeat_interleave(self.num_kv_groups, dim=1)
-        return self._attend(x, q, k, v, gate, pe, state, attn_mask, is_causal, pos)
+        return q, k, v
 
 
 class _PEDifferential:
