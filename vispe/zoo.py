@@ -49,9 +49,10 @@ from torch import nn
 
 from .attention import pe_attention
 from .encodings.base import PEContext, PositionalEncoding
+from .host import PEBlock, PEHost
 from .positions import Positions
 from .registry import PESpec, create_pe
-from .vit import LoadReport, PEBlock, PEHost, VisionTransformer, adopt_pos_embed
+from .vit import LoadReport, VisionTransformer, adopt_pos_embed
 
 __all__ = ['convert', 'timm_pe_spec', 'ZOO_MODULES', 'PEEva', 'PEVisionTransformerDistilled']
 
