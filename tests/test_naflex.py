@@ -268,3 +268,14 @@ def test_naflex_throughput_smoke_runs_both_forms(capsys):
         row = next(line for line in out.splitlines() if line.startswith(f'| `{spec}`'))
         cells = [c.strip() for c in row.strip('|').split('|')]
         assert float(cells[-1].rstrip('x')) > 0
+
+
+def test_a_naflex_batch_compiles_with_the_positions_read_outside_the_graph():
+    """Each sample's grid is read from ``patch_coord`` on the host (Python ints), so a NaFlex forward
+    compiles with a graph break there (not ``fullgraph``) and equals eager."""
+    model = timm.create_model('vit_small_patch16_224', pe='rope_mixed', depth=2, embed_dim=64, num_heads=2).eval()
+    batch = vispe.naflex_batch([torch.rand(3, 64, 96), torch.rand(3, 48, 48)], patch_size=16, max_tokens=32)
+    with torch.no_grad():
+        eager = model(batch)
+        compiled = torch.compile(model, backend='aot_eager')(batch)
+    assert (compiled - eager).abs().max() <= 1e-5

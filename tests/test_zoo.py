@@ -295,3 +295,35 @@ def test_every_encoding_builds_on_one_model_per_family(name):
 def test_every_entrypoint_builds_with_every_encoding(name):
     for pe in vispe.list_pes():
         _check_builds(name, pe, full=True)
+
+
+@pytest.mark.parametrize('name, pe, size', [
+    ('eva02_tiny_patch14_224', 'own', 224),  # Eva host, learned + rope_timm
+    ('vit_small_patch14_reg4_dinov2', 'rope_mixed', 224),  # registers
+    ('vit_dwee_patch16_reg1_gap_256', 'rope_axial', 256),  # differential attention
+    ('deit_tiny_distilled_patch16_224', 'rope_axial+learned', 224),  # distillation token, a composition
+])
+def test_converted_hosts_compile_whole_and_run_under_inference_mode(name, pe, size):
+    """The converted timm hosts trace as one graph (eval and a train step, equal to eager) and a forward
+    under torch.inference_mode() leaves nothing that breaks the next training step."""
+    torch.manual_seed(0)
+    tiny = dict(depth=2, embed_dim=64, num_heads=2, img_size=size)
+    if pe == 'own':
+        model = timm.create_model(name, **tiny)
+        vispe.convert(model, vispe.timm_pe_spec(model))
+    else:
+        model = timm.create_model(name, pe=pe, **tiny)
+    x = torch.randn(2, 3, size, size)
+    model.eval()
+    with torch.inference_mode():
+        first = model(x)
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True, backend='aot_eager')(x)
+    assert torch.equal(first, eager) and (compiled - eager).abs().max() <= 1e-5
+    model.train()
+    torch.manual_seed(1)
+    out = torch.compile(model, fullgraph=True, backend='aot_eager')(x)
+    loss = (out[0] if isinstance(out, tuple) else out).square().mean()  # distilled training: (x, x_dist)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.pe.parameters())
