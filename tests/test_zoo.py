@@ -327,3 +327,52 @@ def test_converted_hosts_compile_whole_and_run_under_inference_mode(name, pe, si
     loss = (out[0] if isinstance(out, tuple) else out).square().mean()  # distilled training: (x, x_dist)
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.pe.parameters())
+
+
+# ---------------------------------------------------------------------- save_for_hf round trips
+def _trained_a_little(model: nn.Module) -> nn.Module:
+    """Encoding weights moved away from their initialisation, so that a reload that re-initialises them fails."""
+    with torch.no_grad():
+        for p in model.pe.parameters():
+            p.add_(torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize('name, pe, size', [
+    ('vit_tiny_patch16_224', 'liere', 64),
+    ('vit_small_patch16_dinov3', 'rope_mixed+learned', 64),
+    ('eva02_tiny_patch14_224', 'irpe', 56),
+])
+def test_save_for_hf_export_reloads_with_its_encoding(name, pe, size, tmp_path):
+    """timm records pe= in the model's args, save_for_hf writes them; local-dir: rebuilds the converted model
+    and loads the encoding's weights with the rest (before: a state-dict error, pos_embed missing)."""
+    from timm.models._hub import save_for_hf
+    model = _trained_a_little(timm.create_model(name, pe=pe, depth=2, img_size=size, num_classes=7))
+    save_for_hf(model, tmp_path)
+    x = torch.randn(2, 3, size, size)
+    for again in (timm.create_model(f'local-dir:{tmp_path}', pretrained=True),
+                  timm.create_model(f'local-dir:{tmp_path}', pretrained=True, pe=pe)):
+        assert again.pe.name == model.pe.name and again.pretrained_report.initialized == []
+        with torch.no_grad():
+            torch.testing.assert_close(again.eval()(x), model(x), rtol=0, atol=0)
+
+
+def test_save_for_hf_export_adapts_the_head_and_serves_features(tmp_path):
+    from timm.models._hub import save_for_hf
+    model = _trained_a_little(timm.create_model('vit_tiny_patch16_224', pe='rope_mixed', depth=3, img_size=64))
+    save_for_hf(model, tmp_path)
+    x = torch.randn(1, 3, 64, 64)
+    headless = timm.create_model(f'local-dir:{tmp_path}', pretrained=True, num_classes=0).eval()
+    feats = timm.create_model(f'local-dir:{tmp_path}', pretrained=True, features_only=True, out_indices=(0, 1)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(headless(x), model.forward_head(model.forward_features(x), pre_logits=True))
+        expected = model.forward_intermediates(x, indices=(0, 1), intermediates_only=True)
+        for got, want in zip(feats(x), expected):
+            torch.testing.assert_close(got, want)
+
+
+def test_save_for_hf_export_refuses_another_encoding(tmp_path):
+    from timm.models._hub import save_for_hf
+    save_for_hf(timm.create_model('vit_tiny_patch16_224', pe='liere', depth=1, img_size=32), tmp_path)
+    with pytest.raises(ValueError, match="saved with pe='liere'"):
+        timm.create_model(f'local-dir:{tmp_path}', pretrained=True, pe='rope_axial')

@@ -38,6 +38,7 @@ from timm.layers.pos_embed_sincos import (
     RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed, RotaryEmbeddingMRope,
 )
 from timm.models import _registry
+from timm.models._builder import load_pretrained, pretrained_cfg_for_features
 from timm.models._features import FeatureGetterNet
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
@@ -51,7 +52,7 @@ from .attention import pe_attention
 from .encodings.base import PEContext, PositionalEncoding
 from .host import PEBlock, PEHost
 from .positions import Positions
-from .registry import PESpec, create_pe
+from .registry import PESpec, create_pe, format_pe_spec
 from .vit import LoadReport, VisionTransformer, adopt_pos_embed
 
 __all__ = ['convert', 'timm_pe_spec', 'ZOO_MODULES', 'PEEva', 'PEVisionTransformerDistilled']
@@ -554,6 +555,28 @@ def _checkpoint_grid(model: nn.Module) -> Optional[Tuple[int, ...]]:
     return tuple(s // p for s, p in zip(size[-2:], patch)) if size else None
 
 
+def _load_export(fn: Callable[..., nn.Module], pe: PESpec, saved: PESpec, kwargs: Dict[str, Any]) -> nn.Module:
+    """A checkpoint that `save_for_hf` wrote from a converted model (its ``model_args`` carry ``pe``): its
+    state dict is the converted model's (the encoding's entries, no ``pos_embed``), so the whole model is
+    built, converted, and loaded by timm's own loader (file or hub, classifier and input-channel
+    adaptation); with ``features_only`` it is then wrapped as timm wraps ViTs, in its feature getter,
+    since the pruning that wrapper does would otherwise come before the encoding's per-layer weights load."""
+    if format_pe_spec(pe) != format_pe_spec(saved):
+        raise ValueError(f'{fn.__name__}: the checkpoint was saved with pe={saved!r} and holds that encoding\'s '
+                         f'weights; load it with pe={saved!r} (or without pe), not pe={pe!r}')
+    features = kwargs.pop('features_only', False)
+    feature_cfg = dict(kwargs.pop('feature_cfg', None) or {}, out_indices=kwargs.pop('out_indices', 3))
+    model = fn(pretrained=False, **kwargs)
+    convert(model, pe, name=fn.__name__)
+    load_pretrained(model, num_classes=0 if features else model.num_classes, in_chans=kwargs.get('in_chans', 3))
+    model.pretrained_report = LoadReport([], [], [])  # every entry came from the checkpoint
+    if not features:
+        return model
+    wrapped = FeatureGetterNet(model, **feature_cfg)
+    wrapped.pretrained_cfg = wrapped.default_cfg = pretrained_cfg_for_features(model.pretrained_cfg)
+    return wrapped
+
+
 def _wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """``fn`` accepting ``pe=``; without it, ``fn`` itself runs."""
     @functools.wraps(fn)
@@ -561,6 +584,10 @@ def _wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if 'pe' not in kwargs:
             return fn(pretrained=pretrained, **kwargs)
         pe = kwargs.pop('pe')
+        # timm passes a local-dir / hub checkpoint's saved model_args on as pretrained_model_args
+        saved = (kwargs.get('pretrained_model_args') or {}).get('pe')
+        if pretrained and saved is not None:
+            return _load_export(fn, pe, saved, kwargs)
         model = fn(pretrained=pretrained, **kwargs)
         # features_only=True: timm wraps the model, which serves forward_intermediates to the wrapper
         host = model.model if isinstance(model, FeatureGetterNet) else model
