@@ -21,8 +21,12 @@ import torch
 triton = pytest.importorskip('triton')
 
 import vispe  # noqa: E402
+from vispe import multimodal as mm  # noqa: E402
+from vispe.attention import pe_attention  # noqa: E402
+from vispe.cameras import Cameras  # noqa: E402
 from vispe.rotary import apply_rotation, autograd, fused as triton_kernels, rotate_qk, rotation_table  # noqa: E402
-from vispe.rotary.kernels import pad_identity  # noqa: E402
+from vispe.rotary.kernels import block_matrices, pad_identity  # noqa: E402
+from conftest import random_intrinsics, random_poses  # noqa: E402
 
 
 DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -63,11 +67,11 @@ def counted_launches():
         yield calls
 
 
-def fused_qkv(B=2, H=2, N=7, hd=16, dtype=torch.float32):
-    """q and k as timm's attention makes them: ``(B, H, N, hd)`` views of one ``(B, N, 3 H hd)`` leaf."""
+def fused_qkv(B=2, H=2, N=7, hd=16, dtype=torch.float32, with_v=False):
+    """q and k (and v) as timm's attention makes them: ``(B, H, N, hd)`` views of one ``(B, N, 3 H hd)`` leaf."""
     qkv = torch.randn(B, N, 3 * H * hd, dtype=dtype, device=DEVICE).requires_grad_()
-    q, k, _ = qkv.reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
-    return qkv, q, k
+    q, k, v = qkv.reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    return (qkv, q, k, v) if with_v else (qkv, q, k)
 
 
 def compare(run, leaves, expected=2, tol=1e-5):
@@ -97,6 +101,13 @@ def grid_table(N, P, lead=(), magnitude=1.0, num_prefix=1):
 def orthogonal_blocks(*lead, b):
     a = torch.randn(*lead, b, b, device=DEVICE)
     return torch.linalg.matrix_exp(a - a.mT)
+
+
+def invertible_blocks(*lead, b):
+    """Well-conditioned ``b x b`` matrices far from orthogonal (rows scaled by 1-2, off-diagonal noise),
+    so that a gradient taking ``R^-1`` for ``R^T`` shows."""
+    scale = 1 + torch.rand(*lead, b, 1, device=DEVICE)
+    return scale * torch.eye(b, device=DEVICE) + 0.3 * torch.randn(*lead, b, b, device=DEVICE)
 
 
 # ------------------------------------------------------------------ pair rotations
@@ -143,14 +154,31 @@ def unit_table_of_angles():
     compare(lambda: rotate_qk(q, k, table, table, 'pair'), [qkv])
 
 
-def test_bfloat16_matches_reference_to_its_rounding(run):
-    run(bfloat16_table)
+@pytest.mark.parametrize('kind', ['table', 'half_table'])
+def test_bfloat16_matches_reference_to_its_rounding(run, kind):
+    run(bfloat16_table, kind)
 
 
-def bfloat16_table():
+def bfloat16_table(kind):
     qkv, q, k = fused_qkv(hd=16, dtype=torch.bfloat16)
     table = grid_table(6, 8).requires_grad_()
-    compare(lambda: rotate_qk(q, k, table, table, 'table'), [qkv, table], tol=2e-2)
+    compare(lambda: rotate_qk(q, k, table, table, kind), [qkv, table], tol=2e-2)
+
+
+@pytest.mark.parametrize('hd,pairs,lead,grid', [(64, 32, (), (2, 3)), (72, 24, (2, 1), (2, 3)),
+                                                (80, 40, (2, 2), (3, 2)), (128, 48, (2, 1), (5, 8))],
+                         ids=['shared', 'partial_per_sample', 'per_sample_and_head', 'partial_token_blocks'])
+def test_rotate_half_table_matches_reference_on_fused_qkv_views(run, hd, pairs, lead, grid):
+    """Pairs ``(j, j + P)`` of the first ``2 P`` channels (LLM layout, timm's rotate_half, PRoPE), YaRN
+    magnitudes, a class token: one table for the batch, or per sample ``(B, 1, N, P)`` (M-RoPE) or per
+    sample and head (MHRoPE); partial rotary (48 of 72, 96 of 128 channels); a 5 x 8 grid spans token blocks."""
+    run(rotate_half_table, hd, pairs, lead, grid)
+
+
+def rotate_half_table(hd, pairs, lead, grid):
+    qkv, q, k = fused_qkv(N=1 + grid[0] * grid[1], hd=hd)
+    table = grid_table(grid[0] * grid[1], pairs, lead, magnitude=1.3).requires_grad_()
+    compare(lambda: rotate_qk(q, k, table, table, 'half_table'), [qkv, table])
 
 
 def test_cross_attention_rotates_q_and_k_in_their_own_launches(run):
@@ -189,13 +217,37 @@ def broadcast_blocks(lead):
     compare(lambda: rotate_qk(q, k, rot, rot, 'block'), [qkv, rot])
 
 
+@pytest.mark.parametrize('case', ['b4_expanded', 'b4_per_sample', 'b2_per_head', 'b8'])
+def test_invertible_matrices_match_reference(run, case):
+    """Kind ``matrix``: GTA's / PRoPE's per-token 4 x 4 maps as `block_matrices` builds them (one matrix
+    expanded over the blocks at stride 0, identity rows for a class token, shared or per sample
+    ``(B, 1, N, nb, 4, 4)``; head dim 18: 2 channels pass through), and dense per-head blocks; the
+    gradient reaches the matrices through ``R^-T``, the input gradient through ``R^T``."""
+    run(invertible_matrices, case)
+
+
+def invertible_matrices(case):
+    qkv, q, k = fused_qkv(hd=18 if case == 'b4_per_sample' else 16)
+    b, batched = int(case[1]), case == 'b4_per_sample'
+    if b == 4:  # per-token maps (N, 4, 4) or (B, N, 4, 4), expanded over 16 channels
+        mats = invertible_blocks(*((2,) if batched else ()), 6, b=4).requires_grad_()
+    else:
+        mats = invertible_blocks(2, 7, 16 // b, b=b).requires_grad_()  # (H, N, nb, b, b)
+
+    def rotated():
+        rot = block_matrices(mats, 16, batched, num_prefix=1) if b == 4 else mats
+        return rotate_qk(q, k, rot, rot, 'matrix')
+    compare(rotated, [qkv, mats], tol=1e-4)
+
+
 # ------------------------------------------------------------------ encodings end to end
 @pytest.mark.parametrize('spec', ['rope_axial:scaling=yarn', 'rope_mixed', 'liere:gd=2', 'liere:gd=8',
-                                  'comrope_ap:block=4', 'comrope_ld:block=8'])
+                                  'comrope_ap:block=4', 'comrope_ld:block=8', 'rope_timm:rotate_half=true',
+                                  'rope_timm:rope_type=dinov3,rotate_half=true'])
 def test_encoding_trains_identically_with_fused_kernels(run, spec):
     """The q / k hook on a non-square grid larger than the training grid, with a class token; gradients
     reach q, k and the encoding's parameters alike (LieRE gd 8 on head dim 20: 4 channels pass through;
-    ComRoPE: per-sample jittered rotations)."""
+    ComRoPE: per-sample jittered rotations; timm's rotate-half layout: kind ``half_table``)."""
     run(encoding_trains_identically, spec)
 
 
@@ -206,6 +258,60 @@ def encoding_trains_identically(spec):
     qkv, q, k = fused_qkv(H=H, N=pos.num_tokens, hd=hd)
     # q and k share one rotation: one launch forward, one backward
     compare(lambda: pe.qk(q, k, pe.prepare(pos), layer=0), [qkv, *pe.parameters()], 2, tol=1e-4)
+
+
+@pytest.mark.parametrize('spec,launches', [('gta', 6), ('gta_multiview:se3_dims=8,so2_dims=8,translation_scale=1', 16),
+                                            ('prope', 24)], ids=['gta', 'gta_multiview', 'prope'])
+def test_attention_trains_identically_with_fused_kernels(run, spec, launches):
+    """Every hook (q / k, value, output) of the encodings that map v and the attention output too, in
+    attention with a class token: GTA's tables on a 3 x 4 grid; on three 2 x 3 views, gta_multiview's
+    SE(3) maps (kind ``matrix``, channels 4-12 of 20 after 4 passed through) and SO(2) table, PRoPE's
+    projective maps from per-sample cameras and its rotate-half quarters. The gradient reaches the
+    cameras (and gta_multiview's translation scale) through ``R^-T``. Channel groups are rotated one
+    launch each, q and k apart (``rotate_channels``): ``launches`` counts forward and backward."""
+    run(attention_trains_identically, spec, launches)
+
+
+def camera_leaves(batch, intrinsics):
+    """float32 poses (and intrinsics) of three views, per sample with ``batch``, as leaves wanting a gradient."""
+    g = torch.Generator().manual_seed(0)
+    shape = (batch, 3) if batch else (3,)
+    n = 3 * max(batch, 1)
+    c2w = random_poses(n, g, scale=1.0).reshape(*shape, 4, 4)
+    K = random_intrinsics(n, g, (16, 24)).reshape(*shape, 3, 3)
+    return [t.float().to(DEVICE).requires_grad_() for t in ((c2w, K) if intrinsics else (c2w,))]
+
+
+def attention_trains_identically(spec, launches):
+    hd = 20 if spec.startswith('gta_multiview') else 16
+    pe = vispe.create_pe(spec, dim=2 * hd, num_heads=2, depth=1, grid_size=(3, 4)).to(DEVICE)
+    cameras = [] if spec == 'gta' else camera_leaves(2 if spec == 'prope' else 0, intrinsics=spec == 'prope')
+
+    def positions():  # built afresh in each run: the cameras' graph is backpropagated once per run
+        if not cameras:
+            return vispe.positions.grid(3, 4, num_prefix=1, device=DEVICE)
+        cams = Cameras(*cameras[1:], cam_to_world=cameras[0], image_size=(16, 24))
+        return vispe.positions.multiview(cams, (2, 3), num_prefix=1)
+    qkv, q, k, v = fused_qkv(N=positions().num_tokens, hd=hd, with_v=True)
+    compare(lambda: (pe_attention(q, k, v, pe, pe.prepare(positions()), layer=0),), [qkv, *pe.parameters(), *cameras],
+            launches, tol=1e-4)
+
+
+def test_multimodal_apply_rotary_trains_identically_with_fused_kernels(run):
+    """`vispe.multimodal.apply_rotary` (LLM layout ``(B, H, N, hd)``, rotate-half tables): M-RoPE's
+    per-sample tables ``(B, 1, N, P)`` of two image-and-text sequences, partial rotary (48 of 64
+    channels), and MHRoPE's head-wise tables ``(B, H, N, P)``."""
+    run(multimodal_apply_rotary)
+
+
+def multimodal_apply_rotary():
+    layouts = [[mm.Text(3), mm.Image(grid=(1, 4, 6)), mm.Text(2)], [mm.Text(5), mm.Image(grid=(1, 4, 4)), mm.Text(2)]]
+    for scheme, rotary_dim in (('mrope', 48), ('mhrope', 64)):
+        ids, _ = mm.position_ids(layouts, scheme=scheme)
+        rotary = mm.MultimodalRotary(64, scheme=scheme, rotary_dim=rotary_dim, num_heads=4).to(DEVICE)
+        cos, sin = rotary(ids.to(DEVICE))
+        qkv, q, k = fused_qkv(H=4, N=ids.shape[-1], hd=64)
+        compare(lambda: mm.apply_rotary(q, k, cos, sin), [qkv])
 
 
 # ------------------------------------------------------------------ layouts and dispatch
@@ -243,15 +349,18 @@ def single_tensor_with_strided_channels():
     compare(lambda: (apply_rotation(x, 'block', rot),), [x, rot])
 
 
-@pytest.mark.parametrize('case', ['float64', 'block_3', 'fourier'])
+@pytest.mark.parametrize('case', ['float64', 'half_table_float64', 'block_3', 'matrix_3', 'fourier'])
 def test_unsupported_rotations_use_the_reference(run, case):
     run(unsupported_rotation, case)
 
 
 def unsupported_rotation(case):
-    x = torch.randn(2, 2, 6, 12, dtype=torch.float64 if case == 'float64' else torch.float32, device=DEVICE)
+    x = torch.randn(2, 2, 6, 12, dtype=torch.float64 if 'float64' in case else torch.float32, device=DEVICE)
     kind, rot = {'float64': ('pair', torch.randn(6, 6, dtype=torch.float64, device=DEVICE)),
+                 'half_table_float64': ('half_table', rotation_table(torch.randn(6, 6, dtype=torch.float64,
+                                                                                  device=DEVICE))),
                  'block_3': ('block', orthogonal_blocks(6, 4, b=3)),
+                 'matrix_3': ('matrix', invertible_blocks(6, 4, b=3)),
                  'fourier': ('fourier', rotation_table(torch.randn(6, 8, device=DEVICE)))}[case]
     with fused('on'), counted_launches() as launches:
         out = apply_rotation(x, kind, rot, block=6)
@@ -278,19 +387,21 @@ def test_auto_runs_cuda_tensors_fused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('kind,blk', [(0, 2), (1, 2), (2, 2), (2, 4), (2, 8)],
-                         ids=['table', 'angles', 'block2', 'block4', 'block8'])
-def test_kernel_compiles_for_a_hopper_gpu_without_one(kind, blk):
+@pytest.mark.parametrize('kind,blk,half', [(0, 2, False), (0, 2, True), (1, 2, False), (2, 2, False), (2, 4, False),
+                                           (2, 8, False)],
+                         ids=['table', 'half_table', 'angles', 'block2', 'block4', 'block8'])
+def test_kernel_compiles_for_a_hopper_gpu_without_one(kind, blk, half):
     """What the interpreter does not check (constexpr branches, types, register allocation by ptxas):
-    the forward and the backward with parameter gradients, compiled for sm_90 (H100 / H200)."""
+    the forward and the backward with parameter gradients, compiled for sm_90 (H100 / H200). Kind
+    ``matrix`` launches the ``block`` variants (it differs only after the kernel)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     kernel = triton_kernels._rotation_kernel
-    constexprs = ('KIND', 'BLK', 'S', 'TRANSPOSE', 'WRITE_OUT', 'PARAM_GRAD', 'BLOCK_N', 'BLOCK_C')
+    constexprs = ('KIND', 'BLK', 'HALF', 'S', 'TRANSPOSE', 'WRITE_OUT', 'PARAM_GRAD', 'BLOCK_N', 'BLOCK_C')
     signature = {name: '*bf16' if name in ('X0', 'X1', 'Y0', 'Y1', 'OUT') else '*fp32' if name in ('ROT', 'PARTIAL')
                  else 'constexpr' if name in constexprs else 'i32' for name in kernel.arg_names}
     for backward in (False, True):
-        values = dict(KIND=kind, BLK=blk, S=2, TRANSPOSE=backward, WRITE_OUT=True, PARAM_GRAD=backward,
+        values = dict(KIND=kind, BLK=blk, HALF=half, S=2, TRANSPOSE=backward, WRITE_OUT=True, PARAM_GRAD=backward,
                       BLOCK_N=8 // blk, BLOCK_C=64)
         compiled = triton.compile(ASTSource(kernel, signature, values), target=GPUTarget('cuda', 90, 32))
         assert compiled.asm['cubin']

@@ -2,7 +2,8 @@
 
 `rotate_qk` and `apply_rotation` are the one entry of every rotary encoding. They pick, per call:
 
-* the fused Triton kernels (`fused`, kinds ``table``, ``pair``, ``block`` on CUDA; `FUSED` selects);
+* the fused Triton kernels (`fused`, kinds ``table``, ``half_table``, ``pair``, ``block``, ``matrix`` on
+  CUDA; `FUSED` selects);
 * under autograd, `_SavedOutputRotation`: only the rotated output (which attention saves anyway)
   and the rotation are kept for backward, the input gradient is ``R^T grad`` and the rotation's
   gradient comes from ``R x`` itself or from ``x = R^-1 (R x)``, never from a second copy of q and k;
@@ -29,9 +30,9 @@ from .kernels import (
 __all__ = ['FUSED', 'KINDS', 'RotationKind', 'angle_tables', 'apply_rotation', 'rotate_channels', 'rotate_qk']
 
 FUSED: Literal['auto', 'on', 'off'] = os.environ.get('VISPE_FUSED', 'auto')  # type: ignore[assignment]
-"""When q / k rotations run the fused Triton kernels (kinds ``table``, ``pair``, ``block``; the inputs
-and rotations `fused.supported` lists, the reference kernels otherwise): ``'auto'`` on CUDA
-tensors when triton imports, ``'on'`` on any device (CPU tensors need Triton's interpreter,
+"""When q / k rotations run the fused Triton kernels (kinds ``table``, ``half_table``, ``pair``, ``block``,
+``matrix``; the inputs and rotations `fused.supported` lists, the reference kernels otherwise):
+``'auto'`` on CUDA tensors when triton imports, ``'on'`` on any device (CPU tensors need Triton's interpreter,
 ``TRITON_INTERPRET=1`` before vispe is imported: for tests), ``'off'`` never. Never while tracing
 (torch.compile fuses the reference itself). Set this attribute, or ``VISPE_FUSED`` before import."""
 

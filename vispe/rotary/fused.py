@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the pair and block rotations of `vispe.rotary` (kinds ``table``, ``pair``, ``block``).
+"""Fused Triton kernels for the pair and block rotations of `vispe.rotary` (kinds ``table``,
+``half_table``, ``pair``, ``block``, ``matrix``).
 
 On a GPU the reference rotations of `kernels` are launch-bound: a rotation of q and k costs 20-40
 small kernels (complex views, products, casts, concatenations, copies into a stack, and as many
@@ -14,18 +15,25 @@ again in backward). Here each direction is one launch of `_rotation_kernel`:
   ``autograd._SavedOutputRotation``), reduced in-kernel over the dims the rotation broadcasts along
   (batch, q / k, shared heads) into a few partial sums that torch adds up.
 
-Conventions of the reference kept exactly: interleaved pairs ``(2j, 2j + 1)``; a complex table may
-have magnitude != 1 (YaRN), so its adjoint is the conjugate and its gradient ``grad * conj(x)`` with
-``x = y / table``; angles' gradient ``Re(conj(grad) i y)``; block ``j`` of ``b`` channels multiplied
-by ``rot[..., j, :, :]``, gradient ``(sum_z g_z y_z^T) R``; channels beyond the rotated width (partial
-rotary, LieRE's leftover channels) pass through; prefix tokens need nothing here (their rows of the
-table or blocks are the identity). Products in float32, results in the activation dtype.
+Conventions of the reference kept exactly: interleaved pairs ``(2j, 2j + 1)``, or rotate-half pairs
+``(j, j + P)`` of the first ``2P`` channels (``half_table``: LLM code, timm's ``rotate_half``, PRoPE),
+pair ``j`` multiplied by table entry ``j`` either way; a complex table may have magnitude != 1 (YaRN),
+so its adjoint is the conjugate and its gradient ``grad * conj(x)`` with ``x = y / table``; angles'
+gradient ``Re(conj(grad) i y)``; block ``j`` of ``b`` channels multiplied by ``rot[..., j, :, :]``, its
+adjoint ``R^T``, its gradient ``sum_z g_z x_z^T``: ``(sum_z g_z y_z^T) R`` for orthogonal blocks
+(``block``, ``x = R^T y``), ``(sum_z g_z y_z^T) R^-T`` for any invertible ones (``matrix``: GTA's
+scaled SE(3), PRoPE's projective maps; ``x = R^-1 y``), the kernel computing the same sum for both;
+channels beyond the rotated width (partial rotary, LieRE's leftover channels) pass through; prefix
+tokens need nothing here (their rows of the table or blocks are the identity). Products in float32,
+results in the activation dtype.
 
 Each program takes ``BLOCK_N`` tokens of one (batch, head) slice where the rotation varies and loops
 over the slices it broadcasts along: the rotation is loaded once per program and the parameter
 gradient accumulates in registers. Every channel ``c`` is computed as a ``b``-term dot product of its
 block's matrix row with the block's channels (pairs: ``b = 2``, the matrix built from cos / sin or the
-complex entry), so one code path serves pairs, blocks, their transposes and the pass-through.
+complex entry), so one code path serves pairs, blocks, their transposes and the pass-through; the two
+pair layouts differ only in the stride between a pair's channels (1 or ``P``), hence in which channel
+each matrix column reads and which table entry a channel uses.
 
 Importable without triton (`AVAILABLE` is then False and nothing is launched).
 """
@@ -49,8 +57,9 @@ AVAILABLE = triton is not None
 _jit = triton.jit if AVAILABLE else (lambda fn: fn)
 
 _ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
-_ROTATION_DTYPES = {'table': (torch.complex64,), 'pair': (torch.float32, torch.complex64),
-                    'block': (torch.float32,)}
+_ROTATION_DTYPES = {'table': (torch.complex64,), 'half_table': (torch.complex64,),
+                    'pair': (torch.float32, torch.complex64), 'block': (torch.float32,), 'matrix': (torch.float32,)}
+_BLOCK_KINDS = ('block', 'matrix')  # rot (..., N, nb, b, b); the pair kinds: (..., N, P)
 _BLOCK_SIZES = (2, 4, 8)  # larger blocks would need b^2 registers per channel
 # gathered elements per program and member, BLOCK_N * BLOCK_C * b, halved with the parameter gradient's
 # temporaries: at most ~110 registers a thread on sm_90 (ptxas, 4 warps), no spills
@@ -66,24 +75,31 @@ def _rotation_kernel(
         ROT, srb, srh, srn, sr1, sr2, sr3,  # rotation at (b, h, n); sr1-3: pair / re-im, or block / row / column
         PARTIAL,  # (chunks, MB * MH, N, Q) float32 partial sums of the parameter gradient
         N, C, W, MH, ZH, Z, ZPP,
-        KIND: tl.constexpr, BLK: tl.constexpr, S: tl.constexpr, TRANSPOSE: tl.constexpr,
+        KIND: tl.constexpr, BLK: tl.constexpr, HALF: tl.constexpr, S: tl.constexpr, TRANSPOSE: tl.constexpr,
         WRITE_OUT: tl.constexpr, PARAM_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """``OUT[s] = R X_s`` (``R^T`` with TRANSPOSE) and, with PARAM_GRAD, the rotation's gradient from
     ``X_s`` (the output's gradient) and ``Y_s = R x_s``, summed over this program's chunk of ``Z``.
 
     Grid: (token blocks, MB * MH slices where the rotation varies, chunks of the Z = ZB * ZH slices it
-    broadcasts along; ``b = mb + zb`` and ``h = mh + zh``, one term of each sum always 0)."""
+    broadcasts along; ``b = mb + zb`` and ``h = mh + zh``, one term of each sum always 0). HALF: pairs
+    ``(j, j + W / 2)`` instead of ``(2j, 2j + 1)`` (pair kinds only)."""
     m = tl.program_id(1)
     chunk = tl.program_id(2)
     mb = m // MH
     mh = m % MH
     n2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # (BLOCK_N, 1)
     c2 = tl.arange(0, BLOCK_C)[None, :]  # (1, BLOCK_C)
+    # the channels of one pair or block lie `step` apart: 1, or W / 2 for rotate-half pairs; beyond the
+    # rotated width the same formulas put column i2 at c itself (the identity's 1) and the other, whose
+    # entry is 0, at c +- W / 2: never negative, masked where >= C
+    step = W // 2 if HALF else 1
+    i2 = (c2 // step) % BLK  # row of the matrix: c's place in its pair or block
+    pair = c2 % step if HALF else c2 // 2  # the table entry of c's pair (pair kinds)
     c3 = c2[:, :, None]
+    i3 = i2[:, :, None]
     k3 = tl.arange(0, BLK)[None, None, :]  # column of the matrix row, i.e. channel k of c's block
-    i3 = c3 % BLK  # row of the matrix: c's place in its block
-    src = c3 - i3 + k3  # the channel that column k reads
+    src = c3 + (k3 - i3) * step  # the channel that column k reads
     n64 = n2.to(tl.int64)
     rows = n2 < N
     rotated = rows & (c2 < W)
@@ -96,14 +112,14 @@ def _rotation_kernel(
         mat = mat.to(tl.float32)
     else:
         if KIND == 0:
-            tr = tl.load(rot + (c2 // 2) * sr1, mask=rotated, other=0.0).to(tl.float32)
-            ti = tl.load(rot + (c2 // 2) * sr1 + sr2, mask=rotated, other=0.0).to(tl.float32)
+            tr = tl.load(rot + pair * sr1, mask=rotated, other=0.0).to(tl.float32)
+            ti = tl.load(rot + pair * sr1 + sr2, mask=rotated, other=0.0).to(tl.float32)
         else:
-            angle = tl.load(rot + (c2 // 2) * sr1, mask=rotated, other=0.0).to(tl.float32)
+            angle = tl.load(rot + pair * sr1, mask=rotated, other=0.0).to(tl.float32)
             tr = tl.cos(angle)
             ti = tl.sin(angle)
         sin = -ti if TRANSPOSE else ti
-        # [[re, -im], [im, re]]: the product by re + i im on (x_2j, x_2j+1)
+        # [[re, -im], [im, re]]: the product by re + i im on the pair (x_2j, x_2j+1) or (x_j, x_j+P)
         mat = tl.where(k3 == i3, tr[:, :, None], tl.where(i3 == 0, -sin[:, :, None], sin[:, :, None]))
     mat = tl.where(c3 < W, mat, (k3 == i3).to(tl.float32))  # pass-through channels: the identity
 
@@ -139,38 +155,40 @@ def _rotation_kernel(
                     gi = tl.sum(tl.where(k3 == 1, xg, 0.0), axis=2)
                     yr = tl.sum(tl.where(k3 == 0, yg, 0.0), axis=2)
                     yi = tl.sum(tl.where(k3 == 1, yg, 0.0), axis=2)
-                    if KIND == 0:  # grad * conj(x), x = y / t: the real part at even c, the imaginary at odd c
+                    if KIND == 0:  # grad * conj(x), x = y / t: the real part at a pair's first channel
                         norm = tl.where(rotated, tr * tr + ti * ti, 1.0)  # masked lanes hold 0 + 0i
                         xr = (yr * tr + yi * ti) / norm
                         xi = (yi * tr - yr * ti) / norm
-                        acc += tl.where(c2 % 2 == 0, gr * xr + gi * xi, gi * xr - gr * xi)
+                        acc += tl.where(i2 == 0, gr * xr + gi * xi, gi * xr - gr * xi)
                     else:  # Re(conj(g) i y)
                         acc += gi * yr - gr * yi
     if PARAM_GRAD:
         row = (chunk.to(tl.int64) * tl.num_programs(1) + m) * N + n64
         if KIND == 2:
             tl.store(PARTIAL + row[:, :, None] * (W * BLK) + c3 * BLK + k3, acc, mask=rotated[:, :, None])
-        elif KIND == 0:
-            tl.store(PARTIAL + row * W + c2, acc, mask=rotated)
+        elif KIND == 0:  # (re, im) of entry `pair`
+            tl.store(PARTIAL + row * W + 2 * pair + i2, acc, mask=rotated)
         else:
-            tl.store(PARTIAL + row * (W // 2) + c2 // 2, acc, mask=rotated & (c2 % 2 == 0))
+            tl.store(PARTIAL + row * (W // 2) + pair, acc, mask=rotated & (i2 == 0))
 
 
-def _rotation_view(kind: str, rot: torch.Tensor) -> Tuple[int, torch.Tensor, int, int]:
-    """(kernel kind, ``rot`` as a real ``(MB, MH, N, ...)`` view, block size, rotated width)."""
-    if kind == 'block':
-        return _BLOCK, rot[(None,) * (6 - rot.dim())], rot.shape[-1], rot.shape[-3] * rot.shape[-1]
-    if rot.is_complex():
-        return _COMPLEX, torch.view_as_real(rot.resolve_conj())[(None,) * (4 - rot.dim())], 2, 2 * rot.shape[-1]
-    return _ANGLE, rot[(None,) * (4 - rot.dim())], 2, 2 * rot.shape[-1]
+def _rotation_view(kind: str, rot: torch.Tensor) -> Tuple[int, torch.Tensor, int, int, bool]:
+    """(kernel kind, ``rot`` as a real ``(MB, MH, N, ...)`` view, block size, rotated width, whether
+    the pairs are rotate-half ones)."""
+    if kind in _BLOCK_KINDS:
+        return _BLOCK, rot[(None,) * (6 - rot.dim())], rot.shape[-1], rot.shape[-3] * rot.shape[-1], False
+    real = torch.view_as_real(rot.resolve_conj()) if rot.is_complex() else rot
+    code = _COMPLEX if rot.is_complex() else _ANGLE
+    return code, real[(None,) * (4 - rot.dim())], 2, 2 * rot.shape[-1], kind == 'half_table'
 
 
 def supported(kind: str, inputs: Sequence[torch.Tensor], rot: torch.Tensor) -> bool:
-    """Whether `rotate` handles these inputs (the reference kernels serve the rest): kinds ``table``
-    (complex64) and ``pair`` (float32 angles or their complex64 table), ``block`` (float32 ``b x b``,
-    ``b`` in 2, 4, 8); float16 / bfloat16 / float32 inputs ``([[B,] H,] N, hd)`` on ``rot``'s device
-    (a GPU: compute capability 7.0 or newer); ``rot`` ``([[B,] H,] N, ...)`` varying at most along the
-    inputs' batch, heads and tokens."""
+    """Whether `rotate` handles these inputs (the reference kernels serve the rest): kinds ``table`` and
+    ``half_table`` (complex64), ``pair`` (float32 angles or their complex64 table), ``block`` and
+    ``matrix`` (float32 ``b x b``, ``b`` in 2, 4, 8); float16 / bfloat16 / float32 inputs
+    ``([[B,] H,] N, hd)`` on ``rot``'s device (a GPU: compute capability 7.0 or newer); ``rot``
+    ``([[B,] H,] N, ...)`` varying at most along the inputs' batch, heads and tokens, rotating at least
+    one channel."""
     x = inputs[0]
     if not AVAILABLE or kind not in _ROTATION_DTYPES or not 2 <= x.dim() <= 4 or x.numel() == 0:
         return False
@@ -179,16 +197,19 @@ def supported(kind: str, inputs: Sequence[torch.Tensor], rot: torch.Tensor) -> b
     if x.dtype not in _ACTIVATIONS or rot.dtype not in _ROTATION_DTYPES[kind] or any(
             t.shape != x.shape or t.dtype != x.dtype or t.device != rot.device for t in inputs):
         return False
-    inner = 3 if kind == 'block' else 1
+    blocks = kind in _BLOCK_KINDS
+    inner = 3 if blocks else 1
     if rot.dim() <= inner or rot.dim() > inner + 3 or rot.shape[-inner - 1] != x.shape[-2]:
         return False
-    if kind == 'block' and (rot.shape[-1] not in _BLOCK_SIZES or rot.shape[-2] != rot.shape[-1]):
+    if blocks and (rot.shape[-1] not in _BLOCK_SIZES or rot.shape[-2] != rot.shape[-1]):
         return False
     x_lead = ((1, 1) + tuple(x.shape[:-2]))[-2:]
     rot_lead = ((1, 1) + tuple(rot.shape[:-inner - 1]))[-2:]
-    width = rot.shape[-3] * rot.shape[-1] if kind == 'block' else 2 * rot.shape[-1]
-    # rot_lead: the (batch, head) slices where it varies, the grid's second axis (< 2^16)
-    return all(r in (1, n) for r, n in zip(rot_lead, x_lead)) and math.prod(rot_lead) < 2 ** 16 and width <= x.shape[-1]
+    width = rot.shape[-3] * rot.shape[-1] if blocks else 2 * rot.shape[-1]
+    # rot_lead: the (batch, head) slices where it varies, the grid's second axis (< 2^16); width 0 would
+    # leave rotate-half pairs no stride
+    return (all(r in (1, n) for r, n in zip(rot_lead, x_lead)) and math.prod(rot_lead) < 2 ** 16
+            and 0 < width <= x.shape[-1])
 
 
 def _stacked_like(x: torch.Tensor, count: int) -> torch.Tensor:
@@ -219,7 +240,7 @@ def _launch(kind: str, rot: torch.Tensor, xs: Sequence[torch.Tensor], transpose:
     """One launch over the members ``xs`` (``(..., N, C)``, at most 4 dims, one shape): their rotation
     stacked ``(len(xs), *shape)`` if ``write_out``, and, given the outputs ``ys`` of the forward (``xs``
     then being their gradients), the rotation's gradient (float32 or complex64, ``rot``'s shape)."""
-    code, view, blk, width = _rotation_view(kind, rot)
+    code, view, blk, width, half = _rotation_view(kind, rot)
     shape = xs[0].shape
     xs4 = [t[(None,) * (4 - t.dim())] for t in xs]
     batch, heads, n, c = xs4[0].shape
@@ -241,15 +262,18 @@ def _launch(kind: str, rot: torch.Tensor, xs: Sequence[torch.Tensor], transpose:
         view, *view.stride()[:3], *inner,
         partial if partial is not None else xs4[0],
         n, c, width, mh, zh, zb * zh, per_chunk,
-        KIND=code, BLK=blk, S=len(xs), TRANSPOSE=transpose, WRITE_OUT=write_out, PARAM_GRAD=bool(ys),
+        KIND=code, BLK=blk, HALF=half, S=len(xs), TRANSPOSE=transpose, WRITE_OUT=write_out, PARAM_GRAD=bool(ys),
         BLOCK_N=block_n, BLOCK_C=block_c)
     if out is not None:
         out = out.view(len(xs), *shape)
     if partial is None:
         return out, None
     grad = partial.sum(0).view(mb, mh, n, *view.shape[3:])
-    if code == _BLOCK:  # sum_z g_z x_z^T = (sum_z g_z y_z^T) R, x_z = R^T y_z
+    if kind == 'block':  # sum_z g_z x_z^T = (sum_z g_z y_z^T) R, x_z = R^T y_z
         grad = grad @ view
+    elif kind == 'matrix':
+        # x_z = R^-1 y_z: (sum_z g_z y_z^T) R^-T, solved; the _ex form skips the singularity check's host sync
+        grad = torch.linalg.solve_ex(view.mT, grad, left=False).result
     elif code == _COMPLEX:
         grad = torch.view_as_complex(grad)
     return out, grad.reshape(rot.shape)
