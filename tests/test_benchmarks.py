@@ -55,8 +55,39 @@ def test_cuda_check_keeps_to_its_budget_by_skipping_whole_timing_groups(capsys):
     main(['--device', 'cpu', '--model', 'vit_tiny', '--batch', '1,2', '--rounds', '1', '--pes', 'rope_axial',
           '--budget-min', '0'])
     out = capsys.readouterr().out
-    assert 'skipped to keep the 0 min budget: eager, batch 1; eager, batch 2; compiled, batch 1; compiled, batch 2' in out
+    assert 'skipped to keep the 0 min budget: eager, batch 1; compiled, batch 1; eager, batch 2; compiled, batch 2' in out
     assert '| `rope_axial` | yes | yes | yes | 0 |' in out and 'eval x' not in out
+
+
+def test_cuda_check_compiles_model_by_model_within_its_budget(capsys, monkeypatch):
+    """A compiled group times the models whose compilation fits and lists the others, none first: here
+    each 'compilation' (a stand-in's first call) takes 60 s of a clock that stands still otherwise."""
+    from types import SimpleNamespace
+
+    from benchmarks import cuda_check
+    now = [0.0]
+
+    class FirstCallCosts(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.compiled = model, False
+
+        def forward(self, x):
+            if not self.compiled:
+                now[0] += 60.0
+                self.compiled = True
+            return self.model(x)
+
+    monkeypatch.setattr(cuda_check, 'time', SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(cuda_check, 'compile_models', lambda models: {n: FirstCallCosts(m) for n, m in models.items()})
+    cuda_check.main(['--device', 'cpu', '--model', 'vit_tiny', '--batch', '1', '--rounds', '1',
+                     '--pes', 'rope_axial,sincos', '--modes', 'compiled', '--budget-min', '2.5'])
+    out = capsys.readouterr().out
+    # none (0 + 60 s) and rope_axial (60 + 60 <= 150 s) fit, sincos (120 + 60 > 150 s) does not
+    assert 'skipped to keep the 2.5 min budget: compiled, batch 1 of sincos' in out
+    assert 'compile seconds (first eval forward + train step, all batches): none 60, rope_axial 60' in out
+    rows = {line.split(' | ')[0]: line for line in out.splitlines() if line.startswith('| `')}
+    assert rows['| `rope_axial`'].endswith('| 1.00 |') and rows['| `sincos`'].endswith('| - | - | - |')
 
 
 def test_profile_step_reports_each_encoding_against_no_encoding(capsys):
