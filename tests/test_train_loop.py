@@ -241,6 +241,35 @@ def test_tensorboard_is_used_when_installed_and_required_only_when_asked(tmp_pat
         assert list((result.run_dir / 'tensorboard').glob('events.out.tfevents.*'))
 
 
+def test_a_resumed_run_purges_the_tensorboard_events_it_repeats(tmp_path, monkeypatch):
+    """Like the CSV logs, TensorBoard forgets the steps after the checkpoint a resumed run restarts from
+    (SummaryWriter's purge_step: events at or after it are dropped), so no step is shown twice."""
+    import sys
+    import types
+    writers = []
+
+    class Writer:  # torch.utils.tensorboard.SummaryWriter's interface, recording what it is given
+        def __init__(self, log_dir, purge_step=None):
+            self.purge_step, self.steps = purge_step, []
+            writers.append(self)
+
+        def add_scalar(self, tag, value, step):
+            self.steps.append(step)
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, 'torch.utils.tensorboard', types.SimpleNamespace(SummaryWriter=Writer))
+    monkeypatch.setattr('train.engine.tensorboard_enabled', lambda mode: True)
+    args = [f'output_dir={tmp_path}', TINY, 'data.synthetic.train_size=32', 'data.synthetic.val_size=8',
+            'train.batch_size=16', 'sweep={}', 'model.pe=none', 'name=tb', 'log.every=1'] + QUIET
+    run(str(CONFIGS / 'quickstart.yaml'), args + ['train.epochs=1'])
+    run(str(CONFIGS / 'quickstart.yaml'), args + ['train.epochs=2', 'train.resume=auto'])
+    first, resumed = writers
+    assert first.purge_step is None and max(first.steps) == 2  # 2 steps per epoch
+    assert resumed.purge_step == 3 and min(resumed.steps) >= resumed.purge_step
+
+
 @pytest.mark.slow
 def test_quickstart_nope_stays_at_chance_while_positional_encodings_learn(tmp_path):
     """The README's main command as shipped (minutes on two CPU cores)."""

@@ -436,7 +436,7 @@ class Trainer:
         if csv_train is not None:  # a resumed run repeats the rows after its checkpoint; a new one keeps none
             csv_train.truncate(self.step)
             csv_eval.truncate(self.step)
-        tb = TensorBoardLog(self.tensorboard and self.env.is_main, self.run_dir / 'tensorboard')
+        tb = TensorBoardLog(self.tensorboard and self.env.is_main, self.run_dir / 'tensorboard', self.step)
         self._t0 = time.perf_counter()
         _logger.info('run %s: %s (%s), %.2fM parameters, %d epochs x %d steps, batch %d x %d process(es), '
                      'lr %.3g, amp %s, device %s', cfg.name, self.spec['name'], self.label, self.params / 1e6,

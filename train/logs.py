@@ -121,13 +121,17 @@ def tensorboard_enabled(mode: str) -> bool:
 
 
 class TensorBoardLog:
-    """TensorBoard scalars in ``log_dir`` when ``enabled`` (see `tensorboard_enabled`)."""
+    """TensorBoard scalars in ``log_dir`` when ``enabled`` (see `tensorboard_enabled`).
 
-    def __init__(self, enabled: bool, log_dir: Path) -> None:
+    ``resumed_step``: the step a resumed run continues after; the events a killed run wrote beyond it
+    are purged (SummaryWriter's ``purge_step``), as `CsvLog.truncate` drops its rows, so that the
+    repeated steps are not shown twice."""
+
+    def __init__(self, enabled: bool, log_dir: Path, resumed_step: int = 0) -> None:
         self.writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(log_dir))
+            self.writer = SummaryWriter(str(log_dir), purge_step=resumed_step + 1 if resumed_step else None)
 
     def write(self, prefix: str, scalars: Dict[str, Any], step: int) -> None:
         if self.writer is None:
