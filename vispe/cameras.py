@@ -18,6 +18,8 @@ from typing import Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ._tracing import is_tracing
+
 __all__ = ['Cameras', 'plucker_rays', 'plucker_at', 'rigid_inverse', 'lift_intrinsics', 'RayOrder']
 
 RayOrder = Literal['moment_first', 'direction_first']
@@ -239,9 +241,10 @@ class Cameras:
 
     def gather(self, per_view: torch.Tensor, view_index: torch.Tensor) -> torch.Tensor:
         """Per-token values from per-view ones: ``(V, ...)`` (``(B, V, ...)`` for batched cameras) indexed by
-        the token views ``view_index`` ``(N,)`` or ``(B, N)``."""
+        the token views ``view_index`` ``(N,)`` or ``(B, N)``. The range of ``view_index`` is checked
+        in plain execution only: its values do not exist while traced (torch.compile, export)."""
         view_index = view_index.to(per_view.device).long()
-        if view_index.numel() and (view_index.min() < 0 or view_index.max() >= self.num_views):
+        if view_index.numel() and not is_tracing() and (view_index.min() < 0 or view_index.max() >= self.num_views):
             raise ValueError(f'view_index must lie in [0, {self.num_views}) for {self.num_views} cameras, got '
                              f'values in [{view_index.min().item()}, {view_index.max().item()}]')
         if not self.batched:

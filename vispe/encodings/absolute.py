@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
+from .._tracing import is_tracing, static_equal
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ..rotary.frequencies import axial_frequencies
@@ -32,6 +33,25 @@ def _require_grid(name: str, pos: Positions) -> Tuple[int, ...]:
     if pos.grid is None:
         raise ValueError(f'encoding {name!r} needs grid positions (vispe.positions.grid), got a point set')
     return pos.grid
+
+
+def _axis_map(n_old: int, n_new: int, mode: str, antialias: bool, device: torch.device) -> torch.Tensor:
+    """``(n_new, n_old)``: `F.interpolate` along one axis as a matrix, its columns the resampled unit
+    vectors (laid along the width: an antialiased resampling of a one-pixel-wide input along the
+    height is wrong in torch)."""
+    eye = torch.eye(n_old, device=device).reshape(1, n_old, 1, n_old)
+    return F.interpolate(eye, size=(1, n_new), mode=mode, antialias=antialias).reshape(n_old, n_new).t()
+
+
+def _separable_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[int], num_prefix: int, mode: str,
+                        antialias: bool) -> torch.Tensor:
+    """timm's `resample_abs_pos_embed` as two matrix products (2D `F.interpolate` is separable), the
+    form used while traced: torch has no symbolic-shape kernel for the backward of the antialiased
+    resampling, so a train step compiled with ``dynamic=True`` would fail on it."""
+    prefix, grid = table[:, :num_prefix], table[:, num_prefix:].float().reshape(*old, -1)
+    rows, cols = (_axis_map(o, n, mode, antialias, table.device) for o, n in zip(old, new))
+    grid = torch.einsum('ia,jb,abc->ijc', rows, cols, grid).reshape(1, -1, table.shape[-1])
+    return torch.cat([prefix, grid.to(table.dtype)], dim=1)
 
 
 @register_pe('learned', family='baseline')
@@ -74,8 +94,10 @@ class LearnedPE(AdditivePE):
         return {'pos_embed'}
 
     def _resample(self, table: torch.Tensor, new: Sequence[int], old: Sequence[int]) -> torch.Tensor:
-        if tuple(new) == tuple(old):
+        if static_equal(new, old):  # symbolic sizes resample (the identity when equal) rather than specialize
             return table
+        if len(new) == 2 and is_tracing():
+            return _separable_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
         if len(new) == 2:
             return resample_abs_pos_embed(table, new_size=list(new), old_size=list(old),
                                           num_prefix_tokens=self.num_table_prefix,

@@ -17,6 +17,7 @@ from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ._checks import check_nonnegative
 from .._dtypes import at_least_float32
+from .._tracing import static_equal
 from .base import PEContext, PositionalEncoding
 
 __all__ = ['ALiBi2D', 'SwinRelativeBias', 'alibi_slopes', 'swin_relative_position_index']
@@ -162,7 +163,7 @@ class SwinRelativeBias(PositionalEncoding):
     @staticmethod
     def resize_table(table: torch.Tensor, old: Tuple[int, int], new: Tuple[int, int]) -> torch.Tensor:
         """Bicubic resize of ``(T, (2h-1)(2w-1), H)`` tables from grid ``old`` to grid ``new``."""
-        if tuple(old) == tuple(new):
+        if static_equal(old, new):  # symbolic sizes resize (the identity when equal) rather than specialize
             return table
         t, _, heads = table.shape
         src = (2 * old[0] - 1, 2 * old[1] - 1)

@@ -53,6 +53,10 @@ def pad_identity(rot: torch.Tensor, num_prefix: int, kind: str, after: int = 0) 
     if num_prefix == 0 and after == 0:
         return rot
     if kind in ('block', 'matrix'):
+        if is_tracing():  # symbolic strides have no order to sort by; the compiler lays the result out itself
+            eye = torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device)
+            return torch.cat([eye.expand(*rot.shape[:-4], num_prefix, *rot.shape[-3:]), rot,
+                              eye.expand(*rot.shape[:-4], after, *rot.shape[-3:])], -4)
         shape = list(rot.shape)
         shape[-4] += num_prefix + after
         order = sorted(range(rot.dim()), key=lambda d: -rot.stride(d))  # rot's memory order
