@@ -171,9 +171,9 @@ class PEHost:
         x = self.pos_drop(self.pe.embed(x, pos))
         if self.patch_drop is not None:
             x, keep = self.patch_drop(x)
-            if keep is not None:  # the kept tokens are a point set: no grids; the mask follows them
+            if keep is not None:  # the kept tokens are a point set indexing their grids; the mask follows them
                 valid = valid.gather(1, keep)
-                pos = pos.replace(key_padding_mask=None, grids=None).select(keep).replace(key_padding_mask=~valid)
+                pos = pos.select(keep)
         keys = torch.cat([valid.new_ones(valid.shape[0], self.num_prefix_tokens), valid], 1)[:, None, None, :]
         if attn_mask is None:
             mask = keys

@@ -111,7 +111,7 @@ class _ComRoPE(RotationPE):
 
     # ----------------------------------------------------------------- positions
     def per_sample(self, pos: Positions) -> bool:
-        return self.training and self.jitter > 0 and (pos.grids is not None or token_grid(pos) is not None)
+        return self.training and self.jitter > 0 and (pos.index_grids is not None or token_grid(pos) is not None)
 
     def per_grid(self) -> bool:
         return True  # a grid alone takes the factorised path (block > 2): rounding of its own
@@ -142,8 +142,8 @@ class _ComRoPE(RotationPE):
         grid = token_grid(pos)
         coords = pos.coords.to(dtype)
         scales = None
-        if pos.grids is not None:  # NaFlex: each sample against its own grid, (B, 1, D)
-            per_sample = [self._grid_scale(pos, g) for g in pos.grids]
+        if pos.index_grids is not None:  # NaFlex: each sample against its own grid, (B, 1, D)
+            per_sample = [self._grid_scale(pos, g) for g in pos.index_grids]
             scales = [[s] for s, _ in per_sample], [[m] for _, m in per_sample]
         elif grid is not None:
             scales = self._grid_scale(pos, grid)

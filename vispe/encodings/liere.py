@@ -112,8 +112,8 @@ class LieRE(RotationPE):
     def coordinates(self, pos: Positions) -> torch.Tensor:
         """Token coordinates in the configured convention, ``([B,] N, D)``."""
         grid = token_grid(pos)
-        if self.positions == 'linspace' and pos.grids is not None:  # NaFlex: each sample's own grid
-            steps = [self.linspace_steps(g, pos.train_grid or g) for g in pos.grids]
+        if self.positions == 'linspace' and pos.index_grids is not None:  # NaFlex: each sample's own grid
+            steps = [self.linspace_steps(g, pos.train_grid or g) for g in pos.index_grids]
             coords = pos.coords * torch.tensor(steps, dtype=pos.coords.dtype, device=pos.device)[:, None]
         elif self.positions != 'linspace' or grid is None:
             coords = grid_coordinates(pos, 'normalized' if self.positions == 'normalized' else 'index')
@@ -131,7 +131,7 @@ class LieRE(RotationPE):
     def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
         # a NaFlex sample gets the squarings it needs alone, hence the same rotations as alone
         return layerwise_exp(self.axis_generators(), self.coordinates(pos), pos.num_prefix,
-                             sample_squarings=pos.grids is not None)
+                             sample_squarings=pos.index_grids is not None)
 
     def extra_repr(self) -> str:
         return (f'gd={self.gd}, blocks={self.num_blocks}, axes={self.num_axes}, '

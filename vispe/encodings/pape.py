@@ -40,7 +40,7 @@ def pape_coordinates(pos: Positions, start: float = 1.0, grid_mode: GridMode = '
     classifier), in a NaFlex batch each sample's on its own grid; point sets: their coordinates as
     given. Prefix tokens sit at the origin.
     """
-    if pos.sample_grids is not None:
+    if pos.index_grid is not None or pos.index_grids is not None:  # grid indices, also after token dropping
         coords = grid_coordinates(pos, grid_mode)
         coords = at_least_float32(coords.flip(-1) if pos.ndim == 2 else coords) + start
     else:
@@ -112,10 +112,10 @@ class _Parabolic(PositionalEncoding):
         r_k = r_q if pos_k is None else pape_coordinates(pos_k, self.start, self.grid_mode)
         npk = pos_k_or_q.num_prefix
         grid_part = r_k[..., npk:, :] if r_k.shape[-2] > npk else r_k
-        if pos_k_or_q.grids is not None:  # NaFlex: each sample's mean over its own tokens, not its padding
-            sizes = torch.tensor([math.prod(g) for g in pos_k_or_q.grids], device=r_k.device)
-            real = torch.arange(grid_part.shape[-2], device=r_k.device) < sizes[:, None]
-            center = (grid_part * real.unsqueeze(-1)).sum(dim=-2, keepdim=True) / sizes.view(-1, 1, 1).to(r_k.dtype)
+        mask = pos_k_or_q.key_padding_mask
+        if mask is not None and grid_part.shape[-2] == mask.shape[-1]:  # NaFlex: each sample's mean over its real tokens
+            real = (~mask).unsqueeze(-1).to(r_k.dtype)
+            center = (grid_part * real).sum(dim=-2, keepdim=True) / real.sum(dim=-2, keepdim=True).clamp_min(1)
         else:
             center = grid_part.mean(dim=-2, keepdim=True)
         if center.dim() == 3 and r_q.dim() == 2:

@@ -182,14 +182,15 @@ class SwinRelativeBias(PositionalEncoding):
     def _offset_index(self, pos: Positions) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """Swin index ``([B,] N, N)`` of the grid tokens and the grid whose table it indexes.
 
-        A full grid uses its own (resized) table; a subset of grid tokens (e.g. after patch
-        dropout: integer coordinates, no grid) indexes the training table by its offsets.
+        A full grid uses its own (resized) table; a subset of grid tokens (after patch dropout: integer
+        coordinates, no grid) indexes the table of the grid it was selected from by its offsets (the
+        training table for other integer coordinates).
         """
         if pos.grid is not None:
             if len(pos.grid) != 2:
                 raise ValueError(f"encoding 'swin_rpb' needs a 2D token grid, got grid={pos.grid}")
             return swin_relative_position_index(pos.grid, device=pos.device), pos.grid
-        h, w = self.ctx.grid_size
+        h, w = pos.index_grid or self.ctx.grid_size
         c = pos.coords
         if pos.ndim != 2 or not torch.equal(c, c.round()):
             raise ValueError("encoding 'swin_rpb' needs a 2D token grid or integer (row, col) grid coordinates")
@@ -206,6 +207,10 @@ class SwinRelativeBias(PositionalEncoding):
                              f'positions have {pos_q.num_prefix}')
         if pos_q.grids is not None:
             return self._naflex_bias(pos_q)
+        if pos_q.index_grids is not None:  # the kept tokens of a NaFlex batch: each sample on its grid's table
+            return torch.cat([self._grid_bias(pos_q.replace(coords=pos_q.coords[b:b + 1], key_padding_mask=None,
+                                                            selected_from=(g,)))
+                              for b, g in enumerate(pos_q.index_grids)], 1)
         return self._grid_bias(pos_q)
 
     def _naflex_bias(self, pos: Positions) -> torch.Tensor:

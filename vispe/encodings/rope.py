@@ -73,7 +73,7 @@ def _axis_factor(grid: Optional[Tuple[int, ...]], train_grid: Optional[Tuple[int
 def _sample_scaled(pos: Positions, scaling: str) -> bool:
     """Whether frequencies are scaled per sample: a NaFlex batch (each sample against its own grid)
     with a scaling method."""
-    return pos.grids is not None and scaling != 'none'
+    return pos.index_grids is not None and scaling != 'none'
 
 
 @register_pe('rope_axial', family='rope')
@@ -153,11 +153,11 @@ class RopeAxial(PairRotaryPE):
         axes = coords.shape[-1]
         base = self.axis_frequencies(axes).to(device=coords.device, dtype=coords.dtype)
         if _sample_scaled(pos, self.scaling):  # (B, 1, D, P_a): each sample scaled for its own grid
-            tables = [self.scaled_frequencies(base, axes, g, pos.train_grid or g) for g in pos.grids]
+            tables = [self.scaled_frequencies(base, axes, g, pos.train_grid or g) for g in pos.index_grids]
             freqs = torch.stack([f for f, _ in tables]).unsqueeze(1)
             mags = torch.stack([m for _, m in tables]).flatten(-2).unsqueeze(1)
         else:
-            freqs, mags = self.scaled_frequencies(base, axes, pos.grid, pos.train_grid)
+            freqs, mags = self.scaled_frequencies(base, axes, pos.index_grid, pos.train_grid)
             mags = mags.flatten()
         return torch.cat([coords[..., a:a + 1] * freqs[..., a, :] for a in range(axes)], -1), mags
 
@@ -235,15 +235,15 @@ class RopeMixed(PairRotaryPE):
                              f"positions have {coords.shape[-1]}")
         per_sample = _sample_scaled(pos, self.scaling)
         theta = 0
-        mag = [1.0] * len(pos.grids) if per_sample else 1.0
+        mag = [1.0] * len(pos.index_grids) if per_sample else 1.0
         for a in range(self.num_axes):
             c = coords[..., a]
             if per_sample:  # each sample scaled for its own grid: (L, B, H, 1, P)
-                scaled = [self.scaled_frequencies(a, coords.dtype, g, pos.train_grid or g) for g in pos.grids]
+                scaled = [self.scaled_frequencies(a, coords.dtype, g, pos.train_grid or g) for g in pos.index_grids]
                 f = torch.stack([freqs for freqs, _ in scaled], 1).unsqueeze(-2)
                 mag = [max(m, s) for m, (_, s) in zip(mag, scaled)]
             else:
-                freqs, m = self.scaled_frequencies(a, coords.dtype, pos.grid, pos.train_grid)
+                freqs, m = self.scaled_frequencies(a, coords.dtype, pos.index_grid, pos.train_grid)
                 mag = max(mag, m)
                 # (L, H, P) x (..., N) -> (L, ..., H, N, P) with batch dims before heads
                 f = freqs.reshape(freqs.shape[0], *([1] * (c.dim() - 1)), freqs.shape[1], 1, freqs.shape[2])

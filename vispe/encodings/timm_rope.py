@@ -153,12 +153,12 @@ class TimmRope(RotationPE):
         coords = pos.coords.float()
         if self.grid_indexing == 'xy':
             coords = coords.flip(-1)
-        if pos.grids is not None:
-            sizes = torch.tensor(pos.grids, dtype=coords.dtype, device=coords.device)[:, None, :]  # (B, 1, 2)
+        if pos.index_grids is not None:
+            sizes = torch.tensor(pos.index_grids, dtype=coords.dtype, device=coords.device)[:, None, :]  # (B, 1, 2)
             if self.grid_indexing == 'xy':
                 sizes = sizes.flip(-1)
             return coords, (sizes[..., 0], sizes[..., 1])
-        grid = pos.grid or pos.train_grid or self.ctx.grid_size  # token dropping keeps no grid
+        grid = pos.index_grid or pos.train_grid or self.ctx.grid_size
         if grid is None:
             raise ValueError("encoding 'rope_timm' needs grid positions (vispe.positions.grid)")
         return coords, ((grid[1], grid[0]) if self.grid_indexing == 'xy' else (grid[0], grid[1]))

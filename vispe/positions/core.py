@@ -44,6 +44,11 @@ class Positions:
             ``prod(grids[b])`` rows of ``coords`` ``(B, N, D)`` are the integer indices of its own grid
             in row-major order and the rest is padding (``key_padding_mask`` True, coordinates 0);
             ``grid`` is then None (the samples share no grid). Built by `naflex_grid`.
+        selected_from: set by `select` (token dropping): the grid the kept tokens' coordinates are
+            indices of, one shared ``(grid,)`` or one per sample (a NaFlex batch's ``grids``). The tokens
+            are a point set then (no ``grid`` / ``grids`` layout), but conventions that rescale indices
+            by their grid (normalised coordinates, LieRE's linspace, scaled RoPE frequencies) still
+            see the full image's grid: `index_grid`, `index_grids`.
     """
     coords: torch.Tensor
     num_prefix: int = 0
@@ -53,6 +58,7 @@ class Positions:
     view_index: Optional[torch.Tensor] = None
     key_padding_mask: Optional[torch.Tensor] = None
     grids: Optional[Tuple[Tuple[int, ...], ...]] = None
+    selected_from: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     def __post_init__(self) -> None:
         if not torch.is_tensor(self.coords) or self.coords.dim() not in (2, 3):
@@ -77,6 +83,11 @@ class Positions:
             if any(len(g) != self.coords.shape[-1] or math.prod(g) > self.coords.shape[-2] for g in self.grids):
                 raise ValueError(f'Positions.grids {self.grids} must have {self.coords.shape[-1]} axes each and at '
                                  f'most {self.coords.shape[-2]} tokens')
+        if self.selected_from is not None and (
+                (self.grid, self.grids) != (None, None) or any(len(g) != self.coords.shape[-1] for g in self.selected_from)
+                or len(self.selected_from) not in (1, self.coords.shape[0] if self.batched else 1)):
+            raise ValueError(f'Positions.selected_from {self.selected_from} needs grid=None, grids=None and one grid of '
+                             f'{self.coords.shape[-1]} axes, or one per sample, for coordinates {tuple(self.coords.shape)}')
 
     @property
     def ndim(self) -> int:
@@ -104,6 +115,22 @@ class Positions:
             return self.grids
         return (self.grid,) if self.grid is not None else None
 
+    @property
+    def index_grid(self) -> Optional[Tuple[int, ...]]:
+        """The one grid every sample's coordinates are indices of: ``grid``, or the shared grid the tokens
+        were selected from (`select`); None for a NaFlex batch (`index_grids`) and point sets."""
+        if self.grid is not None:
+            return self.grid
+        return self.selected_from[0] if self.selected_from is not None and len(self.selected_from) == 1 else None
+
+    @property
+    def index_grids(self) -> Optional[Tuple[Tuple[int, ...], ...]]:
+        """Per-sample grids the coordinates are indices of, where they differ between samples: a NaFlex
+        batch's ``grids``, also after token selection; None otherwise (see `index_grid`)."""
+        if self.grids is not None:
+            return self.grids
+        return self.selected_from if self.selected_from is not None and len(self.selected_from) > 1 else None
+
     def sample(self, index: int) -> 'Positions':
         """The positions of sample ``index`` alone, without padding (a NaFlex sample: its own grid)."""
         if self.grids is not None:
@@ -119,7 +146,9 @@ class Positions:
             view_index = view_index[index]
             if self.key_padding_mask is not None:
                 view_index = view_index[~self.key_padding_mask[index]]
-        return self.replace(coords=coords, key_padding_mask=None, view_index=view_index)
+        index_grids = self.index_grids
+        selected = self.selected_from if index_grids is None else (index_grids[index],)
+        return self.replace(coords=coords, key_padding_mask=None, view_index=view_index, selected_from=selected)
 
     def replace(self, **changes: Any) -> 'Positions':
         """A copy with some fields changed."""
@@ -128,18 +157,21 @@ class Positions:
     def select(self, keep: torch.Tensor) -> 'Positions':
         """Positions of a subset of the non-prefix tokens, per sample (``keep``: ``(B, K)`` indices).
 
-        Used after token dropping: the result is batched and has no grid any more.
+        Used after token dropping: the result is batched and has no grid layout any more, its padding
+        mask follows the kept tokens, and ``selected_from`` keeps the grid(s) the coordinates index.
         """
         coords = self.coords if self.batched else self.coords.expand(keep.shape[0], -1, -1)
         coords = coords.gather(1, keep.unsqueeze(-1).expand(-1, -1, coords.shape[-1]))
-        return self.replace(coords=coords, grid=None, grids=None)
+        mask = self.key_padding_mask.gather(1, keep) if self.key_padding_mask is not None else None
+        grids = self.grids or ((self.grid,) if self.grid is not None else self.selected_from)
+        return self.replace(coords=coords, grid=None, grids=None, key_padding_mask=mask, selected_from=grids)
 
     def same_as(self, other: 'Positions') -> bool:
         """True when ``other`` describes the same tokens (used to reuse cached encoding state)."""
         if other is self:
             return True
-        if (self.num_prefix, self.grid, self.train_grid, self.grids) != (
-                other.num_prefix, other.grid, other.train_grid, other.grids):
+        if (self.num_prefix, self.grid, self.train_grid, self.grids, self.selected_from) != (
+                other.num_prefix, other.grid, other.train_grid, other.grids, other.selected_from):
             return False
         if self.cameras is not other.cameras:
             return False
@@ -263,13 +295,13 @@ def grid_coordinates(pos: Positions, mode: GridMode = 'index') -> torch.Tensor:
     """
     if mode not in ('index', 'normalized'):
         raise ValueError(f"grid_mode must be one of ('index', 'normalized'), got {mode!r}")
-    if mode == 'normalized' and pos.grids is not None and pos.train_grid is not None:
+    if mode == 'normalized' and pos.index_grids is not None and pos.train_grid is not None:
         # each sample against its own grid (padding rows stay 0)
-        scale = torch.tensor([[t / g for t, g in zip(pos.train_grid, shape)] for shape in pos.grids],
+        scale = torch.tensor([[t / g for t, g in zip(pos.train_grid, shape)] for shape in pos.index_grids],
                              device=pos.device, dtype=pos.coords.dtype)
         return pos.coords * scale.unsqueeze(1)
-    if mode == 'index' or pos.grid is None or pos.train_grid is None or pos.grid == pos.train_grid:
+    grid = pos.index_grid
+    if mode == 'index' or grid is None or pos.train_grid is None or grid == pos.train_grid:
         return pos.coords
-    scale = torch.tensor([t / g for t, g in zip(pos.train_grid, pos.grid)], device=pos.device,
-                         dtype=pos.coords.dtype)
+    scale = torch.tensor([t / g for t, g in zip(pos.train_grid, grid)], device=pos.device, dtype=pos.coords.dtype)
     return pos.coords * scale

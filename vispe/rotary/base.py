@@ -193,12 +193,10 @@ def pad_tokens(layers: Layers, num_tokens: int, kind: str) -> Layers:
 
 
 def token_grid(pos: Positions) -> Optional[Tuple[int, ...]]:
-    """The grid the (non-prefix) coordinates index: ``pos.grid``; after token selection (patch dropout
-    keeps integer indices but drops the grid) the training grid; None for point sets. A NaFlex batch
-    has one grid per sample instead (`Positions.sample_grids`): callers handle ``pos.grids`` first."""
-    if pos.grid is not None:
-        return pos.grid
-    return pos.train_grid
+    """The grid the (non-prefix) coordinates index: `Positions.index_grid` (also after token selection),
+    else the training grid; None for point sets without one. A NaFlex batch has one grid per sample
+    instead (`Positions.index_grids`): callers handle those first."""
+    return pos.index_grid or pos.train_grid
 
 
 def check_axes(name: str, coords: torch.Tensor, num_axes: int) -> None:
