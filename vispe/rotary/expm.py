@@ -2,14 +2,20 @@
 block-diagonal generators ``A_d`` (``b x b`` blocks; LieRE, ComRoPE, Circulant-STRING's rates).
 
 * `expm_skew`: ``exp`` of a batch of small skew-symmetric matrices (scaling and squaring of a
-  degree-12 Taylor polynomial; closed form for ``2 x 2``), faster than `torch.linalg.matrix_exp`,
-  which serves where the number of squarings cannot be read from the data (tracing, meta tensors);
+  degree-12 Taylor polynomial; closed form for ``2 x 2``), faster than `torch.linalg.matrix_exp`;
 * `linear_exp`: ``exp(sum_d p_d A_d)`` at every position at once: plane-rotation angles when
   ``b = 2`` (a learned-frequency RoPE, cos / sin in closed form), else ``b x b`` blocks whose Taylor
   part is one GEMM over monomials of the coordinates followed by a few squarings on a structure of
   arrays (`_soa_matmul`), in one autograd Function that recomputes them in backward
   (`_LinearExpBlocks`) instead of storing intermediates; `layerwise_exp` does it one layer at a time;
 * `skew`, `skew_from_upper`, `axis_sum`: the parametrisations and the sum over axes.
+
+Traced (torch.compile, torch.export) or on meta tensors the number of squarings cannot be read from
+the data; the same algorithm then runs with the count as a tensor, computed from the same bound by
+the same rule (`_squaring_count`), and a static maximum of squarings, each kept only where it is
+due (`_square_repeatedly`), so that the result is eager's. Beyond that maximum the graph fails
+loudly (`_traced_squarings`). In training each layer's blocks are recomputed in backward by
+activation checkpointing there, as `_LinearExpBlocks` recomputes them eagerly.
 
 Rotation tensors are laid out ``(L', [B,] H', N, ...)``: ``L'`` is 1 (shared) or the depth, ``H'``
 is 1 (shared) or the heads, ``B`` only for per-sample positions.
@@ -21,6 +27,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .._tracing import is_tracing
 from .kernels import pad_identity
@@ -28,11 +35,21 @@ from .kernels import pad_identity
 __all__ = ['Rotations', 'axis_sum', 'expm_skew', 'layerwise_exp', 'linear_exp', 'skew', 'skew_from_upper']
 
 Rotations = Union[torch.Tensor, Sequence[torch.Tensor]]
+Squarings = Union[int, torch.Tensor]  # read from the data (eager) or a tensor of counts (traced)
 
 # Degree of the Taylor polynomials of exp(X): 12 in general; 10 for three-axis position polynomials
 # (which have C(m + D, D) terms).
 _TAYLOR_DEGREE = 12
 _MAX_POLY_AXES = 3
+
+# The largest bound of ||X||_2 a traced graph exponentiates (`_traced_squarings`), which fixes its
+# static number of squarings: 11 in float32, 13 in float64 (14 for the degree-10 polynomials of three
+# axes). The learned rotations' bounds (ViT-S, initial generators) are about 45 for LieRE gd 8 at the
+# training grid and 180 at four times it (its positions reach 4), at most 40 for ComRoPE blocks of
+# 4 and 8 (positions in [0, 1]); 2^11 leaves a factor of 10 beyond that for trained norms and larger
+# inputs. Each squaring of the maximum is computed and kept only where it is due: one more costs
+# one more product per matrix, so the maximum is not set higher than that margin needs.
+_TRACED_MAX_BOUND = 2.0 ** 11
 
 
 def _taylor_theta(degree: int, dtype: torch.dtype) -> float:
@@ -45,15 +62,55 @@ def _taylor_theta(degree: int, dtype: torch.dtype) -> float:
 def _squarings_readable(t: torch.Tensor) -> bool:
     """Whether the number of squarings can be read from the data (`_num_squarings`' host sync): not
     while tracing (torch.export / torch.compile see no values) nor on the meta device. There the
-    exponentials come from `torch.linalg.matrix_exp`, whose algorithm chooses its own scaling
-    inside the operator."""
+    count stays a tensor (`_traced_squarings`)."""
     return not (t.is_meta or is_tracing())
 
 
-def _num_squarings(bound: Union[torch.Tensor, float], degree: int, dtype: torch.dtype) -> int:
-    """``s`` with ``bound / 2^s <= theta_m`` (a tensor: one host sync; the whole batch shares ``s``)."""
-    bound = bound.item() if torch.is_tensor(bound) else bound
-    return max(0, math.ceil(math.log2(max(bound, 1e-300) / _taylor_theta(degree, dtype))))
+def _squaring_count(bound: torch.Tensor, degree: int, dtype: torch.dtype) -> torch.Tensor:
+    """The least ``s >= 0`` with ``bound / 2^s <= theta_m``, elementwise, by tensor ops in float64:
+    the one rule of both paths (eager reads it, traced keeps it). A NaN or infinite bound gives a
+    count that neither path accepts."""
+    return torch.log2(bound.double() / _taylor_theta(degree, dtype)).ceil().clamp_min(0)
+
+
+def _num_squarings(bound: torch.Tensor, degree: int, dtype: torch.dtype) -> int:
+    """`_squaring_count` of a 0-dim bound, read (one host sync; the whole batch shares ``s``)."""
+    return int(_squaring_count(bound, degree, dtype).item())
+
+
+def _squaring_limit(degree: int, dtype: torch.dtype) -> int:
+    """The traced path's static number of squarings: the count of `_TRACED_MAX_BOUND` (plain
+    Python, a constant of the graph)."""
+    return max(0, math.ceil(math.log2(_TRACED_MAX_BOUND / _taylor_theta(degree, dtype))))
+
+
+def _traced_squarings(bound: torch.Tensor, degree: int, dtype: torch.dtype) -> torch.Tensor:
+    """`_squaring_count` as a tensor in ``dtype`` (the counts are small integers, exact in it), with a
+    device-side assertion (it traces into compiled and exported graphs) that none exceeds
+    `_squaring_limit`: beyond it the masked squarings would stop short, so the graph fails instead
+    of returning a wrong rotation (a NaN bound fails too)."""
+    squarings = _squaring_count(bound, degree, dtype)
+    limit = _squaring_limit(degree, dtype)
+    torch._assert_async((squarings <= limit).all(),
+                        f'vispe: a learned rotation needs more than the {limit} squarings a traced graph '
+                        f'takes (a norm bound above {int(_TRACED_MAX_BOUND)}, or not finite): run it eagerly')
+    return squarings.to(dtype)
+
+
+def _square_repeatedly(y: torch.Tensor, squarings: Squarings, limit: int) -> torch.Tensor:
+    """``y^(2^s)`` for a batch ``(..., b, b)`` by ``s`` matrix products ``y y``. A tensor count (traced;
+    broadcastable against ``y``: one for all matrices or one per sample) takes ``limit`` products,
+    the ``k``-th kept only where ``k < s``: eager's result wherever ``s <= limit``, which
+    `_traced_squarings` asserts. Batched products: a compiler keeps each one a kernel of its own,
+    whose buffers the next ones reuse (fused broadcast multiply-adds would keep all ``limit``
+    intermediates alive in one kernel, and fold the last product into every consumer)."""
+    if not torch.is_tensor(squarings):
+        for _ in range(squarings):
+            y = y @ y
+        return y
+    for k in range(limit):
+        y = torch.where(squarings > k, y @ y, y)
+    return y
 
 
 def skew(p: torch.Tensor) -> torch.Tensor:
@@ -76,7 +133,8 @@ def expm_skew(a: torch.Tensor) -> torch.Tensor:
     Scaling and squaring: ``exp(a) = T(a / 2^s)^(2^s)`` with ``T`` the degree-12 Taylor polynomial
     (Paterson-Stockmeyer: 5 products, scalings folded into the coefficients) and one ``s`` for the
     whole batch, from the bound ``rho(a) <= ||a^4||_F^(1/4)`` (the spectral radius sets the error of
-    normal matrices). ``b = 2`` uses the closed form (a plane rotation by ``a[1, 0]``).
+    normal matrices). ``b = 2`` uses the closed form (a plane rotation by ``a[1, 0]``). Traced, ``s``
+    is a tensor and the squarings are masked (`_square_repeatedly`): the same result.
     """
     b = a.shape[-1]
     if b == 1:
@@ -85,10 +143,6 @@ def expm_skew(a: torch.Tensor) -> torch.Tensor:
         angle = a[..., 1, 0]
         c, s = angle.cos(), angle.sin()
         return torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2)
-    if not _squarings_readable(a):
-        # as one (M, b, b) batch: matrix_exp views its input, and fails on a strided one (which
-        # inductor hands it for a batch of more dims)
-        return torch.linalg.matrix_exp(a.reshape(-1, b, b).contiguous()).view(a.shape)
     eye = torch.eye(b, dtype=a.dtype, device=a.device)
     if a.numel() == 0:
         return a + eye
@@ -96,22 +150,23 @@ def expm_skew(a: torch.Tensor) -> torch.Tensor:
     a = a.reshape(-1, b, b)
     a2 = torch.bmm(a, a)
     a4 = torch.bmm(a2, a2)
-    squarings = _num_squarings(a4.flatten(-2).norm(dim=-1).amax().pow(0.25), _TAYLOR_DEGREE, a.dtype)
+    bound = a4.flatten(-2).norm(dim=-1).amax().pow(0.25)
+    squarings = (_num_squarings if _squarings_readable(a) else _traced_squarings)(bound, _TAYLOR_DEGREE, a.dtype)
     a3 = torch.bmm(a2, a)
-    # T(X) = sum_k X^k / k! with X^j = a^j / 2^(js) (the scalings folded into the coefficients)
-    x = [2.0 ** (-j * squarings) for j in range(5)]
+    # T(X) = sum_k X^k / k! with X^j = a^j / 2^(js) (the scalings, powers of two, folded into the
+    # coefficients: floats, or 0-dim tensors for a traced s)
+    x = [2.0 ** (-j * squarings) for j in range(4)]
+    x4 = a4 * 2.0 ** (-4 * squarings)  # X^4
 
     def part(i: int) -> torch.Tensor:  # P_i = sum_{j<4} X^j / (4i + j)!
         c = [x[j] / math.factorial(4 * i + j) for j in range(4)]
-        return (a2 * c[2]).add(a, alpha=c[1]).add(a3, alpha=c[3]).add(eye * c[0])
+        return a2 * c[2] + a * c[1] + a3 * c[3] + eye * c[0]
 
     # T = P0 + X^4 (P1 + X^4 (P2 + X^4 / 12!))
-    x4 = x[4]
-    y = part(2).add(a4, alpha=x4 / math.factorial(12))
-    y = torch.baddbmm(part(1), a4, y, alpha=x4)
-    y = torch.baddbmm(part(0), a4, y, alpha=x4)
-    for _ in range(squarings):
-        y = torch.bmm(y, y)
+    y = part(2) + x4 / math.factorial(12)
+    y = torch.baddbmm(part(1), x4, y)
+    y = torch.baddbmm(part(0), x4, y)
+    y = _square_repeatedly(y, squarings, _squaring_limit(_TAYLOR_DEGREE, a.dtype))
     return y.reshape(shape)
 
 
@@ -149,9 +204,16 @@ def _monomial_plan(num_axes: int, degree: int) -> Tuple[Tuple[Tuple[int, ...], .
     return tuple(m for level in levels for m in level), tuple(incidence)
 
 
+@torch.compiler.assume_constant_result
+def _constant_plan(num_axes: int, degree: int) -> Tuple[Tuple[Tuple[int, ...], ...], Tuple[Incidence, ...]]:
+    """`_monomial_plan`, which a traced graph takes as a constant (dynamo would otherwise trace the
+    Python that builds it, past its cache)."""
+    return _monomial_plan(num_axes, degree)
+
+
 def _build_plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch.dtype
                         ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
-    monomials, incidence = _monomial_plan(num_axes, degree)
+    monomials, incidence = _constant_plan(num_axes, degree)
     matrices = []
     for shape, ones in incidence:
         rows, cols = zip(*ones)
@@ -218,9 +280,10 @@ def _soa_squaring_grad(grad: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -
     return out
 
 
-def _monomials(coords: torch.Tensor, squarings: int, degree: int) -> torch.Tensor:
+def _monomials(coords: torch.Tensor, squarings: Squarings, degree: int) -> torch.Tensor:
     """Taylor coefficients of every position, ``p^alpha / (2^(s |alpha|) |alpha|!)`` for ``|alpha| <=
-    degree`` in `_monomial_plan`'s order: ``([B,] N, K)``. Shared by all layers of a forward."""
+    degree`` in `_monomial_plan`'s order: ``([B,] N, K)``. Shared by all layers of a forward. A traced
+    ``s`` is 0-dim or one per sample, ``(B, 1, 1)``."""
     exponents, _ = _plan_tensors(coords.shape[-1], degree, coords.device, coords.dtype)  # (K, D)
     order = exponents.sum(-1)
     scale = torch.exp2(-squarings * order) / torch.lgamma(order + 1).exp()
@@ -320,21 +383,33 @@ def _position_bounds(gen: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
         return coords.abs() @ rho
 
 
+def _max_bound(gen: torch.Tensor, coords: torch.Tensor, per_sample: bool = False) -> torch.Tensor:
+    """The largest `_position_bounds` over all positions (0-dim), or over each sample's own positions
+    of batched ``coords`` ``(B, N, D)`` (``(B, 1, 1)``: padding rows, at 0, bound nothing)."""
+    if per_sample:
+        return _position_bounds(gen, coords).flatten(1).amax(1)[:, None, None]
+    return _position_bounds(gen, coords.reshape(-1, gen.shape[0])).amax()
+
+
 def _squarings(gen: torch.Tensor, coords: torch.Tensor) -> int:
     """Squarings that bring every ``sum_d p_d A_d`` within the Taylor polynomial's range (one host sync)."""
-    num_axes = gen.shape[0]
-    bound = _position_bounds(gen, coords.reshape(-1, num_axes)).amax()
-    return _num_squarings(bound, _poly_degree(num_axes), gen.dtype)
+    return _num_squarings(_max_bound(gen, coords), _poly_degree(gen.shape[0]), gen.dtype)
 
 
 def _sample_groups(gen: torch.Tensor, coords: torch.Tensor) -> Dict[int, List[int]]:
     """Samples of batched ``coords`` ``(B, N, D)`` grouped by the squarings each needs alone (one host
-    sync): `_squarings` of every sample's own positions (padding rows, at 0, bound nothing)."""
-    bounds = _position_bounds(gen, coords).flatten(1).amax(1)  # (B,)
+    sync): `_squarings` of every sample's own positions."""
+    counts = _squaring_count(_max_bound(gen, coords, per_sample=True), _poly_degree(gen.shape[0]), gen.dtype)
     groups: Dict[int, List[int]] = {}
-    for b, bound in enumerate(bounds.tolist()):
-        groups.setdefault(_num_squarings(bound, _poly_degree(gen.shape[0]), gen.dtype), []).append(b)
+    for b, s in enumerate(counts.flatten().tolist()):
+        groups.setdefault(int(s), []).append(b)
     return groups
+
+
+def _traced_count(gen: torch.Tensor, coords: torch.Tensor, per_sample: bool) -> torch.Tensor:
+    """`_squarings` (``per_sample``: each sample's own, as `_sample_groups` finds them, ``(B, 1, 1)``)
+    as a tensor, for a traced graph (`_traced_squarings`)."""
+    return _traced_squarings(_max_bound(gen, coords, per_sample), _poly_degree(gen.shape[0]), gen.dtype)
 
 
 def _regroup(parts: Sequence[torch.Tensor], groups: Sequence[List[int]]) -> torch.Tensor:
@@ -343,6 +418,42 @@ def _regroup(parts: Sequence[torch.Tensor], groups: Sequence[List[int]]) -> torc
     order = torch.tensor([b for members in groups for b in members], device=parts[0].device)
     joined = torch.cat([p.transpose(-5, -4) for p in parts], dim=1)  # (L', B, N, H', nb, b, b)
     return joined.index_select(1, torch.argsort(order)).transpose(-5, -4)
+
+
+def _exp_blocks(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, degree: int, num_prefix: int
+                ) -> torch.Tensor:
+    """`_LinearExpBlocks`' forward as plain differentiable ops, for a traced graph: the same GEMM over
+    the monomials with its operands swapped, so that it writes the blocks as the matrices the
+    batched products of `_square_repeatedly` take, position-major as q and k lie (``([B,] N, L' H'
+    nb, b, b)``; no transposition such as `_position_major` copies eagerly). A count per sample,
+    ``(B, 1, 1)``, broadcasts over that sample's blocks. The prefix tokens sit at the origin, whose
+    only Taylor coefficient is the constant monomial's: the GEMM and the squarings give them the
+    identity exactly."""
+    layers, heads, nb, b = gen.shape[1:5]
+    origin = coef.new_zeros(*coef.shape[:-2], num_prefix, coef.shape[-1])
+    origin[..., 0] = 1
+    coef = torch.cat([origin, coef], dim=-2)
+    sums = torch.cat(_word_sums(gen, degree))  # (K, L', H', nb, b, b)
+    y = (coef @ sums.reshape(sums.shape[0], -1)).unflatten(-1, (-1, b, b))  # ([B,] N, L' H' nb, b, b)
+    if torch.is_tensor(squarings) and squarings.dim():  # (B, 1, 1) -> (B, 1, 1, 1, 1)
+        squarings = squarings[..., None, None]
+    y = _square_repeatedly(y, squarings, _squaring_limit(degree, gen.dtype))
+    # ([B,] N, L', H', nb, b, b) -> (L', [B,] H', N, nb, b, b), a view of the position-major blocks
+    return y.unflatten(-3, (layers, heads, nb)).movedim(-5, 0).transpose(-5, -4)
+
+
+def _exp_from_monomials(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, degree: int, num_prefix: int
+                        ) -> torch.Tensor:
+    """Rotations from the positions' Taylor coefficients, memory-lean under autograd either way:
+    eagerly `_LinearExpBlocks`; traced, `_exp_blocks` under activation checkpointing (torch.compile
+    and torch.export trace it: only the inputs are kept, the rest is recomputed in backward)."""
+    if _squarings_readable(gen):
+        return _LinearExpBlocks.apply(gen, coef, squarings, degree, num_prefix)
+    if torch.is_grad_enabled() and (gen.requires_grad or coef.requires_grad):
+        # nothing random inside: no RNG state to keep
+        return checkpoint(_exp_blocks, gen, coef, squarings, degree, num_prefix, use_reentrant=False,
+                          preserve_rng_state=False)
+    return _exp_blocks(gen, coef, squarings, degree, num_prefix)
 
 
 def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int] = None, num_prefix: int = 0,
@@ -357,23 +468,28 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int]
     position), with ``squarings`` squarings (default: from a norm bound over all positions; with
     ``sample_squarings``, each sample of batched coords with the squarings it needs alone, so that it
     gets the same rotations as alone: a NaFlex batch). With gradients on, the result is recomputed in
-    backward rather than keeping the squarings' intermediates.
+    backward rather than keeping the squarings' intermediates. Traced, the same numbers
+    (`_traced_squarings`).
     """
     if gen.shape[-1] == 2:
         return pad_identity(axis_sum(coords, gen[..., 1, 0]), num_prefix, 'pair')
     num_axes = gen.shape[0]
-    if num_axes > _MAX_POLY_AXES or not _squarings_readable(gen):
+    if num_axes > _MAX_POLY_AXES:
         return pad_identity(expm_skew(axis_sum(coords, gen).contiguous()), num_prefix, 'block')
     degree = _poly_degree(num_axes)
-    if sample_squarings and squarings is None and coords.dim() == 3:
+    per_sample = sample_squarings and squarings is None and coords.dim() == 3
+    if not _squarings_readable(gen):  # one count tensor, per sample where eager groups the samples
+        squarings = _traced_count(gen, coords, per_sample) if squarings is None else squarings
+        return _exp_from_monomials(gen, _monomials(coords, squarings, degree), squarings, degree, num_prefix)
+    if per_sample:
         groups = _sample_groups(gen, coords)
         if len(groups) > 1:
-            parts = [_LinearExpBlocks.apply(gen, _monomials(coords[members], s, degree), s, degree, num_prefix)
+            parts = [_exp_from_monomials(gen, _monomials(coords[members], s, degree), s, degree, num_prefix)
                      for s, members in groups.items()]
             return _regroup(parts, list(groups.values()))
         squarings = next(iter(groups))
     squarings = _squarings(gen, coords) if squarings is None else squarings
-    return _LinearExpBlocks.apply(gen, _monomials(coords, squarings, degree), squarings, degree, num_prefix)
+    return _exp_from_monomials(gen, _monomials(coords, squarings, degree), squarings, degree, num_prefix)
 
 
 def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0, sample_squarings: bool = False
@@ -383,14 +499,19 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0, 
     In training with ``b > 2`` each layer is computed (and recomputed in backward) on its own, so the
     backward pass holds one layer's scaling-and-squaring intermediates at a time, not all of them;
     the number of squarings and the positions' Taylor coefficients are found once for all layers
-    (per group of samples with ``sample_squarings``, see `linear_exp`).
+    (per group of samples with ``sample_squarings``, see `linear_exp`; traced, per sample).
     """
     if gen.shape[-1] == 2 or not (torch.is_grad_enabled() and gen.requires_grad):
         return linear_exp(gen, coords, num_prefix=num_prefix, sample_squarings=sample_squarings)
-    if gen.shape[0] > _MAX_POLY_AXES or not _squarings_readable(gen):
+    if gen.shape[0] > _MAX_POLY_AXES:
         return [linear_exp(g, coords, num_prefix=num_prefix)[0] for g in gen.split(1, dim=1)]
     degree = _poly_degree(gen.shape[0])
-    groups = _sample_groups(gen, coords) if sample_squarings and coords.dim() == 3 else {}
+    per_sample = sample_squarings and coords.dim() == 3
+    if not _squarings_readable(gen):
+        squarings = _traced_count(gen, coords, per_sample)
+        coef = _monomials(coords, squarings, degree)
+        return [_exp_from_monomials(g, coef, squarings, degree, num_prefix)[0] for g in gen.split(1, dim=1)]
+    groups = _sample_groups(gen, coords) if per_sample else {}
     if len(groups) <= 1:  # one squaring count for all positions
         groups = {next(iter(groups)) if groups else _squarings(gen, coords): None}
     # the Taylor coefficients of each group, the same for every layer
@@ -398,6 +519,6 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0, 
              for s, members in groups.items()]
     layers = []
     for g in gen.split(1, dim=1):
-        parts = [_LinearExpBlocks.apply(g, coef, s, degree, num_prefix) for s, coef in coefs]
+        parts = [_exp_from_monomials(g, coef, s, degree, num_prefix) for s, coef in coefs]
         layers.append(parts[0][0] if len(parts) == 1 else _regroup(parts, list(groups.values()))[0])
     return layers

@@ -142,6 +142,10 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         raise ValueError(f'block rotation covers {nb}x{b} channels but head dim is {x.shape[-1]}')
     ct = torch.promote_types(x.dtype, torch.float32)  # at least float32; float64 is not downcast
     xb = x.to(ct).reshape(*x.shape[:-1], nb, b)
+    if is_tracing():
+        # a compiler fuses the broadcast product and its sum into one pass over x and rot (einsum's
+        # batched product would copy x into its layout and back, about twice the time compiled)
+        return (rot.to(ct) * xb.unsqueeze(-2)).sum(-1).flatten(-2).to(x.dtype)
     # einsum keeps broadcast dims out of the batched product; `rot @ xb` would copy rot once per sample
     out = torch.einsum('...ij,...j->...i', rot.to(ct), xb)
     return out.flatten(-2).to(x.dtype)
