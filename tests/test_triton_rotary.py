@@ -260,6 +260,30 @@ def encoding_trains_identically(spec):
     compare(lambda: pe.qk(q, k, pe.prepare(pos), layer=0), [qkv, *pe.parameters()], 2, tol=1e-4)
 
 
+@pytest.mark.parametrize('grid_mode', ['index', 'normalized'])
+def test_string_cayley_rope_part_trains_identically_with_fused_kernels(run, grid_mode):
+    """Cayley-STRING's ``RoPE(r) P x``: the dense ``P`` stays a batched product, its RoPE part is one
+    launch for q and k forward, and three in backward (``RoPE^T grad`` for the input's gradient, then
+    ``RoPE^T grad`` and ``RoPE^T y`` for ``P``'s, as the reference computes them); in eval one launch."""
+    run(string_cayley_rope_part, grid_mode)
+
+
+def string_cayley_rope_part(grid_mode):
+    pe = vispe.create_pe(f'string_cayley:skew_init_std=0.1,grid_mode={grid_mode}', dim=32, num_heads=2, depth=1,
+                         grid_size=(2, 3)).to(DEVICE)
+    pos = vispe.positions.grid(3, 4, num_prefix=1, train_grid=(2, 3), device=DEVICE)
+    qkv, q, k = fused_qkv(H=2, N=pos.num_tokens, hd=16)
+    compare(lambda: pe.qk(q, k, pe.prepare(pos), layer=0), [qkv, *pe.parameters()], 4, tol=1e-4)
+    with torch.no_grad():
+        pe.eval()
+        want = pe.qk(q, k, pe.prepare(pos), layer=0)
+        with fused('on'), counted_launches() as launches:
+            got = pe.qk(q, k, pe.prepare(pos), layer=0)
+    assert launches == ['table']
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize('spec,launches', [('gta', 6), ('gta_multiview:se3_dims=8,so2_dims=8,translation_scale=1', 16),
                                             ('prope', 24)], ids=['gta', 'gta_multiview', 'prope'])
 def test_attention_trains_identically_with_fused_kernels(run, spec, launches):
@@ -297,21 +321,28 @@ def attention_trains_identically(spec, launches):
             launches, tol=1e-4)
 
 
-def test_multimodal_apply_rotary_trains_identically_with_fused_kernels(run):
-    """`vispe.multimodal.apply_rotary` (LLM layout ``(B, H, N, hd)``, rotate-half tables): M-RoPE's
-    per-sample tables ``(B, 1, N, P)`` of two image-and-text sequences, partial rotary (48 of 64
-    channels), and MHRoPE's head-wise tables ``(B, H, N, P)``."""
-    run(multimodal_apply_rotary)
+@pytest.mark.parametrize('unsqueeze_dim', [1, 2])
+def test_multimodal_apply_rotary_trains_identically_with_fused_kernels(run, unsqueeze_dim):
+    """`vispe.multimodal.apply_rotary` (rotate-half tables) in the LLM layout ``(B, H, N, hd)``
+    (``unsqueeze_dim=1``) and the tokens-first one ``(B, N, H, hd)`` (``unsqueeze_dim=2``, which the
+    kernels take as swapped views, their output in the inputs' layout): M-RoPE's per-sample tables of
+    two image-and-text sequences, partial rotary (48 of 64 channels), and MHRoPE's head-wise tables."""
+    run(multimodal_apply_rotary, unsqueeze_dim)
 
 
-def multimodal_apply_rotary():
+def multimodal_apply_rotary(unsqueeze_dim):
     layouts = [[mm.Text(3), mm.Image(grid=(1, 4, 6)), mm.Text(2)], [mm.Text(5), mm.Image(grid=(1, 4, 4)), mm.Text(2)]]
     for scheme, rotary_dim in (('mrope', 48), ('mhrope', 64)):
         ids, _ = mm.position_ids(layouts, scheme=scheme)
         rotary = mm.MultimodalRotary(64, scheme=scheme, rotary_dim=rotary_dim, num_heads=4).to(DEVICE)
         cos, sin = rotary(ids.to(DEVICE))
         qkv, q, k = fused_qkv(H=4, N=ids.shape[-1], hd=64)
-        compare(lambda: mm.apply_rotary(q, k, cos, sin), [qkv])
+        if unsqueeze_dim == 2:  # q and k as (B, N, H, hd) views of the projection
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        compare(lambda: mm.apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim), [qkv])
+        with fused('on'):
+            out_q, out_k = mm.apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        assert out_q.shape == q.shape and out_q.transpose(1, 2).is_contiguous() == (unsqueeze_dim == 1)
 
 
 # ------------------------------------------------------------------ layouts and dispatch

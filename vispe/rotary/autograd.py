@@ -23,15 +23,16 @@ import torch
 from .._tracing import is_tracing
 from . import fused
 from .kernels import (
-    apply_pair_rotation, block_rotation_grad_from_output, fourier_rotation, mixed_pair, mixed_pair_adjoint,
-    mixed_pair_grads, rotate_blocks, rotation_table, unit_table,
+    PairRotation, apply_pair_rotation, block_rotation_grad_from_output, fourier_rotation, mixed_pair,
+    mixed_pair_adjoint, mixed_pair_grads, rotate_blocks, rotation_table, unit_table,
 )
 
 __all__ = ['FUSED', 'KINDS', 'RotationKind', 'angle_tables', 'apply_rotation', 'rotate_channels', 'rotate_qk']
 
 FUSED: Literal['auto', 'on', 'off'] = os.environ.get('VISPE_FUSED', 'auto')  # type: ignore[assignment]
 """When q / k rotations run the fused Triton kernels (kinds ``table``, ``half_table``, ``pair``, ``block``,
-``matrix``; the inputs and rotations `fused.supported` lists, the reference kernels otherwise):
+``matrix``, and ``mixed_pair``'s pairs after its dense product; the inputs and rotations
+`fused.supported` lists, also as tokens-first ``(B, N, H, hd)`` views, the reference kernels otherwise):
 ``'auto'`` on CUDA tensors when triton imports, ``'on'`` on any device (CPU tensors need Triton's interpreter,
 ``TRITON_INTERPRET=1`` before vispe is imported: for tests), ``'off'`` never. Never while tracing
 (torch.compile fuses the reference itself). Set this attribute, or ``VISPE_FUSED`` before import."""
@@ -90,9 +91,9 @@ KINDS: Dict[str, RotationKind] = {
                             lambda y, angle, block: fourier_rotation(y, unit_table(angle).conj(), block),
                             reads_views=False),
     'mixed_pair': RotationKind(
-        lambda x, mix, angle, block: mixed_pair(x, mix, angle),
-        lambda y, mix, angle, block: mixed_pair_adjoint(y, mix, angle),
-        param_grads=lambda grad, out, mix, angle, block: mixed_pair_grads(grad, out, mix, angle)),
+        lambda x, mix, angle, block: mixed_pair(x, mix, angle, _fused_pairs(x)),
+        lambda y, mix, angle, block: mixed_pair_adjoint(y, mix, angle, _fused_pairs(y)),
+        param_grads=lambda grad, out, mix, angle, block: mixed_pair_grads(grad, out, mix, angle, _fused_pairs(out))),
 }
 """How each kind of rotation is applied (`RotationKind`), by name."""
 
@@ -195,13 +196,47 @@ class _SavedOutputRotation(torch.autograd.Function):
         return (None, None, None, *grads_x, *grads_p)
 
 
-def _fused(kind: str, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
-    """Whether this rotation runs the fused kernels (see `FUSED`)."""
+def _fused_device(x: torch.Tensor) -> bool:
+    """Whether `FUSED` puts rotations of ``x`` on the fused kernels, where they support them."""
     if FUSED not in ('auto', 'on', 'off'):
         raise ValueError(f"vispe.rotary.autograd.FUSED must be 'auto', 'on' or 'off', got {FUSED!r}")
-    if FUSED == 'off' or (FUSED == 'auto' and not inputs[0].is_cuda) or len(params) != 1 or is_tracing():
-        return False
-    return fused.supported(kind, inputs, params[0])
+    return not (FUSED == 'off' or (FUSED == 'auto' and not x.is_cuda) or is_tracing())
+
+
+def _fused(kind: str, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+    """Whether this rotation runs the fused kernels (see `FUSED`)."""
+    return _fused_device(inputs[0]) and len(params) == 1 and fused.supported(kind, inputs, params[0])
+
+
+def _fused_pair_rotation(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``R x`` by a complex table of interleaved pairs in one fused launch where the kernels support
+    it (``x``: one input, or q and k stacked ``(2, ...)``, as `_SavedOutputRotation` hands them), else
+    `apply_pair_rotation`. No autograd: it serves inside `_SavedOutputRotation`."""
+    members = tuple(x.unbind(0)) if x.dim() == 5 else (x,)
+    if torch.is_grad_enabled() and (x.requires_grad or table.requires_grad) or not _fused('table', members, (table,)):
+        return apply_pair_rotation(x, table)
+    return fused.rotate_members(members, table, 'table').view(x.shape)
+
+
+def _fused_pairs(x: torch.Tensor) -> Optional[PairRotation]:
+    """The pair rotation inside ``mixed_pair`` (Cayley-STRING's RoPE part): `_fused_pair_rotation`
+    where `FUSED` puts rotations of ``x`` on the fused kernels, else None (the reference)."""
+    return _fused_pair_rotation if _fused_device(x) else None
+
+
+def _heads_first(kind: str, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+                 ) -> Optional[Tuple[Tuple[torch.Tensor, ...], torch.Tensor]]:
+    """Inputs ``(B, N, H, hd)``, tokens before heads (transformers' ``unsqueeze_dim=2``), and their
+    rotation (``(..., N, H', ...)``) as the ``(B, H, N, hd)`` views the fused kernels take, where they
+    take them; else None. Swapping the same two dims of both keeps the broadcast, and the kernels
+    write in the inputs' memory order, so the result swapped back has the inputs' layout."""
+    if len(params) != 1 or inputs[0].dim() != 4 or kind not in fused.INNER_DIMS:
+        return None
+    inner, rot = fused.INNER_DIMS[kind], params[0]
+    if rot.dim() < inner + 2:  # no head dim: the rotation broadcasts along the tokens
+        return None
+    swapped = tuple(x.transpose(1, 2) for x in inputs), rot.transpose(-inner - 2, -inner - 1)
+    return swapped if _fused(kind, swapped[0], swapped[1:]) else None
 
 
 def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind: str, block: int
@@ -210,6 +245,9 @@ def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind
         raise ValueError(f'rotation kind must be one of {tuple(KINDS)}, got {kind!r}')
     if _fused(kind, inputs, params):
         return fused.rotate(inputs, params[0], kind)
+    swapped = _heads_first(kind, inputs, params)
+    if swapped is not None:
+        return tuple(y.transpose(1, 2) for y in fused.rotate(*swapped, kind))
     # traced, autograd runs through the reference kernels: the compiler decides what to save itself
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)) and not is_tracing():
         out = _SavedOutputRotation.apply(kind, block, len(inputs), *inputs, *params)

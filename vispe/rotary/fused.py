@@ -50,7 +50,7 @@ try:
 except ImportError:  # the reference kernels of `kernels` serve alone
     triton = tl = None
 
-__all__ = ['AVAILABLE', 'supported', 'rotate']
+__all__ = ['AVAILABLE', 'INNER_DIMS', 'supported', 'rotate', 'rotate_members']
 
 AVAILABLE = triton is not None
 # without triton the kernel is a plain function that `supported` never lets run (annotations are strings)
@@ -60,6 +60,8 @@ _ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
 _ROTATION_DTYPES = {'table': (torch.complex64,), 'half_table': (torch.complex64,),
                     'pair': (torch.float32, torch.complex64), 'block': (torch.float32,), 'matrix': (torch.float32,)}
 _BLOCK_KINDS = ('block', 'matrix')  # rot (..., N, nb, b, b); the pair kinds: (..., N, P)
+# each kind's rotation dims after the token dim
+INNER_DIMS = {kind: 3 if kind in _BLOCK_KINDS else 1 for kind in _ROTATION_DTYPES}
 _BLOCK_SIZES = (2, 4, 8)  # larger blocks would need b^2 registers per channel
 # gathered elements per program and member, BLOCK_N * BLOCK_C * b, halved with the parameter gradient's
 # temporaries: at most ~110 registers a thread on sm_90 (ptxas, 4 warps), no spills
@@ -198,7 +200,7 @@ def supported(kind: str, inputs: Sequence[torch.Tensor], rot: torch.Tensor) -> b
             t.shape != x.shape or t.dtype != x.dtype or t.device != rot.device for t in inputs):
         return False
     blocks = kind in _BLOCK_KINDS
-    inner = 3 if blocks else 1
+    inner = INNER_DIMS[kind]
     if rot.dim() <= inner or rot.dim() > inner + 3 or rot.shape[-inner - 1] != x.shape[-2]:
         return False
     if blocks and (rot.shape[-1] not in _BLOCK_SIZES or rot.shape[-2] != rot.shape[-1]):
@@ -305,6 +307,13 @@ class _FusedRotation(torch.autograd.Function):
             for i, g in zip(present, rotated.unbind(0) if need_x else ()):
                 grads_x[i] = g
         return (None, None, *grads_x, grad_rot)
+
+
+def rotate_members(inputs: Sequence[torch.Tensor], rot: torch.Tensor, kind: str) -> torch.Tensor:
+    """``R x`` for one or two (`supported`) inputs in one launch, stacked ``(len(inputs), *shape)`` and
+    laid out like the first input (channels last); outside autograd (a step of a larger rotation's
+    forward or backward, such as Cayley-STRING's RoPE part)."""
+    return _launch(kind, rot, inputs, transpose=False, write_out=True)[0]
 
 
 def rotate(inputs: Sequence[torch.Tensor], rot: torch.Tensor, kind: str) -> Tuple[torch.Tensor, ...]:

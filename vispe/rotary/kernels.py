@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -30,6 +30,8 @@ __all__ = [
 ]
 
 PairLayout = Literal['interleaved', 'half']
+PairRotation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(x, table) -> R x`` by a complex table of interleaved pairs, as `apply_pair_rotation`."""
 
 def rotation_table(angles: torch.Tensor, magnitude: Union[float, torch.Tensor] = 1.0) -> torch.Tensor:
     """Complex numbers ``magnitude * exp(i * angles)`` (complex64) for `apply_pair_rotation`.
@@ -318,14 +320,16 @@ def _head_outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(am.transpose(1, 2), bm)
 
 
-def mixed_pair_grads(grad: torch.Tensor, out: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+def mixed_pair_grads(grad: torch.Tensor, out: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor,
+                     rotate_pairs: Optional[PairRotation] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``P`` and the angles from ``y = RoPE(r) P x`` itself: with ``h = RoPE^T g`` and
     ``u = RoPE^T y = P x``, ``grad_P = sum_z h_z x_z^T = (sum_z h_z u_z^T) P``; per pair, with
     ``y = u e^(i angle)``, ``grad_angle = Re(conj(g) i y)``, summed where the angles broadcast
-    (a complex table gets ``g conj(u)``, autograd's convention)."""
+    (a complex table gets ``g conj(u)``, autograd's convention). ``rotate_pairs`` replaces
+    `apply_pair_rotation` for the RoPE part (a fused kernel)."""
     unit = unit_table(angle).conj()
-    h, u = apply_pair_rotation(grad, unit), apply_pair_rotation(out, unit)
+    rotate_pairs = rotate_pairs or apply_pair_rotation
+    h, u = rotate_pairs(grad, unit), rotate_pairs(out, unit)
     grad_mix = _head_outer(h.to(mix.dtype), u.to(mix.dtype)) @ mix
     if angle.is_complex():
         grad_angle = _pairs(grad) * _pairs(u).conj()
@@ -334,9 +338,13 @@ def mixed_pair_grads(grad: torch.Tensor, out: torch.Tensor, mix: torch.Tensor, a
     return grad_mix, grad_angle.sum_to_size(angle.shape).to(angle.dtype)
 
 
-def mixed_pair(x: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
-    """Cayley-STRING's ``RoPE(r) P x``; the pair rotation in place unless autograd tracks ``P x``."""
+def mixed_pair(x: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor,
+               rotate_pairs: Optional[PairRotation] = None) -> torch.Tensor:
+    """Cayley-STRING's ``RoPE(r) P x``; the pair rotation by ``rotate_pairs`` if given (a fused
+    kernel), else in place unless autograd tracks ``P x``."""
     y = _mix(x, mix)
+    if rotate_pairs is not None:
+        return rotate_pairs(y, unit_table(angle)).to(x.dtype)
     if torch.is_grad_enabled() and y.requires_grad:
         return apply_pair_rotation(y, unit_table(angle)).to(x.dtype)
     pairs = _pairs(y)  # y is fresh, dense and float (mix's dtype): a view, rotated in place
@@ -344,6 +352,8 @@ def mixed_pair(x: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor) -> torch
     return y.to(x.dtype)
 
 
-def mixed_pair_adjoint(y: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+def mixed_pair_adjoint(y: torch.Tensor, mix: torch.Tensor, angle: torch.Tensor,
+                       rotate_pairs: Optional[PairRotation] = None) -> torch.Tensor:
     """``P^T RoPE(r)^T y``, the transpose of `mixed_pair`."""
-    return _mix(apply_pair_rotation(y, unit_table(angle).conj()), mix.transpose(-1, -2)).to(y.dtype)
+    rotated = (rotate_pairs or apply_pair_rotation)(y, unit_table(angle).conj())
+    return _mix(rotated, mix.transpose(-1, -2)).to(y.dtype)
