@@ -322,5 +322,4 @@ def rotate(inputs: Sequence[torch.Tensor], rot: torch.Tensor, kind: str) -> Tupl
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, rot)):
         out = _FusedRotation.apply(kind, len(inputs), *inputs, rot)
         return (out,) if len(inputs) == 1 else out
-    out, _ = _launch(kind, rot, inputs, transpose=False, write_out=True)
-    return tuple(out.unbind(0))
+    return tuple(rotate_members(inputs, rot, kind).unbind(0))
