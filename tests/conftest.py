@@ -15,6 +15,16 @@ def image_pes():
     return [p for p in vispe.list_pes() if not vispe.pe_info(p)['cls'].requires]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip where no CUDA device is."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason='needs a CUDA GPU')
+    for item in items:
+        if 'cuda' in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -113,3 +113,49 @@ def test_pe_overhead_prints_ratios_against_no_encoding(capsys, compiled):
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[3:] if line.strip()}
     assert float(rows['none'][0]) == 1.0 and float(rows['none'][1]) == 1.0  # the reference row
     assert all(float(v) > 0 for v in rows['rope_axial'][:2])
+
+
+def _script(*args, env=None):
+    """Run a benchmark script in a child process (Triton's interpreter is chosen when triton is
+    imported, so it cannot be switched on in this one); its stdout."""
+    import os
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_fused_numerics_table_compares_fused_and_reference_against_float64(tmp_path):
+    pytest.importorskip('triton')
+    _script('benchmarks/fused_numerics.py', '--device', 'cpu', '--cases', 'matrix b4 hd64', '--dtypes', 'fp32',
+            '--out', str(tmp_path / 'numerics.md'))
+    rows = [line for line in (tmp_path / 'numerics.md').read_text().splitlines() if line.startswith('| matrix')]
+    assert len(rows) == 1 and rows[0].endswith('| 2 | yes |')  # one launch forward, one backward
+    fused, reference = (float(v) for v in rows[0].split(' | ')[2].split(' / '))
+    assert 0 < fused < 1e-5 and 0 < reference < 1e-5  # both near the float64 truth, neither equal to it
+
+
+def test_rotation_bandwidth_times_every_kind_and_path(tmp_path):
+    pytest.importorskip('triton')
+    _script('benchmarks/rotation_bandwidth.py', '--device', 'cpu', '--batch', '1', '--heads', '2', '--grid', '3',
+            '--head-dim', '16', '--no-compile', '--out', str(tmp_path / 'bw.md'))
+    rows = [line.split(' | ') for line in (tmp_path / 'bw.md').read_text().splitlines() if line.startswith('| ') and
+            '(' in line.split(' | ')[0]]
+    assert [(r[0][2:], r[1]) for r in rows[::2]] == [(f'{k} (qkv views)', 'fwd') for k in
+                                                     ('table', 'pair', 'half_table', 'block', 'matrix')] + [
+        ('half_table (tokens-first)', 'fwd')]
+    assert all(float(r[3].split()[0]) > 0 and float(r[4].split()[0]) > 0 for r in rows)  # fused and reference ran
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_stages_on_the_cpu(tmp_path):
+    import subprocess
+    import sys
+    subprocess.run(['bash', 'benchmarks/gpu_check.sh', str(tmp_path), str(tmp_path / 'no_wheels'), '400'], check=True,
+                   env={**__import__('os').environ, 'GPU_CHECK_DEVICE': 'cpu', 'PYTHON': sys.executable}, timeout=900)
+    log = (tmp_path / 'gpu_check.log').read_text()
+    for stage in ('fused kernels on CUDA (pytest)', 'numerics table', 'rotation bandwidth', 'cuda_check'):
+        assert f'== {stage}: exit 0' in log
+    assert {p.name for p in tmp_path.iterdir()} >= {'numerics.md', 'bandwidth.md', 'cuda_check.md', 'pytest.log'}

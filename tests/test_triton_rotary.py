@@ -408,7 +408,7 @@ def test_auto_keeps_cpu_tensors_on_the_reference():
     assert not calls
 
 
-@pytest.mark.skipif(DEVICE.type != 'cuda', reason='needs a GPU')
+@pytest.mark.cuda
 def test_auto_runs_cuda_tensors_fused():
     _, q, k = fused_qkv()
     table = grid_table(6, 8)
