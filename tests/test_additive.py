@@ -233,8 +233,10 @@ def test_coordinate_map_hosts_get_no_projection_and_their_axes(name):
     pe = vispe.create_pe(name, ctx)
     assert pe.proj is None and pe.encoder.input_dim == 3
     assert pe.encode(torch.rand(5, 3)).shape == (5, pe.out_dim)
-    explicit = vispe.create_pe(f'{name}:project=true,input_dim=2', ctx)
-    assert explicit.proj is not None and explicit.encoder.input_dim == 2
+    explicit = vispe.create_pe(f'{name}:project=true,input_dim=3', ctx)
+    assert explicit.proj is not None and explicit.encoder.input_dim == 3
+    with pytest.raises(ValueError, match='option input_dim=2 .* does not match the host'):
+        vispe.create_pe(f'{name}:input_dim=2', ctx)  # the host's points have 3 axes
     token_host = vispe.create_pe(name, vispe.PEContext(dim=64, grid_size=(2, 3)))
     assert token_host.proj is not None and token_host.encoder.input_dim == 2
 

@@ -173,7 +173,9 @@ def test_detr_builds_its_encoding_once(spec, depth, cross_pe, monkeypatch):
 
         monkeypatch.setattr(cls, '__init__', counted)
     model = DETR(num_classes=3, backbone='resnet18', pe=spec, **DETR_TINY)
-    assert real == [depth] and len(meta) <= 1  # parameters drawn once, for the layers the encoding serves
+    # parameters drawn once, for the layers the encoding serves; meta builds allocate nothing (DETR's
+    # capability probe, create_pe's size check)
+    assert real == [depth] and len(meta) <= 2
     assert model.cross_pe == cross_pe
 
 
@@ -198,3 +200,94 @@ def test_pe_attention_module_follows_timm_use_fused_attn(fused, monkeypatch, sdp
         other = attn(x, pe, pe.prepare(pos))
     assert len(sdpa.masks) == 1  # only the fused forward runs SDPA
     torch.testing.assert_close(out, other, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ options that switch hooks off
+def _option_values(name):
+    """(option, value) pairs that differ from an encoding's defaults: every other value of a bool or
+    Literal option (the options that can switch a part of an encoding on or off)."""
+    import typing
+    entry = vispe.registry._REGISTRY[name]
+    for opt, default in vispe.pe_info(name)['options'].items():
+        hint = entry.hints.get(opt)
+        if hint is bool:
+            yield opt, not default
+        elif typing.get_origin(hint) is typing.Literal:
+            yield from ((opt, v) for v in typing.get_args(hint) if v != default)
+
+
+def _camera_positions():
+    from conftest import random_intrinsics, random_poses
+    g = torch.Generator().manual_seed(0)
+    cams = vispe.Cameras(random_intrinsics(2, g, size=(8 * GRID[0], 8 * GRID[1])).float(),
+                         cam_to_world=random_poses(2, g).float(), image_size=(8 * GRID[0], 8 * GRID[1]))
+    return vispe.positions.multiview(cams, GRID, num_prefix=NPRE)
+
+
+def _switch_off_pairs():
+    """(encoding, option, value, hooks switched off) for every registered encoding and every option
+    value that removes hooks from its defaults' capabilities."""
+    pairs = []
+    for name in vispe.list_pes():
+        base = _build(name).capabilities.hooks
+        for opt, value in _option_values(name):
+            try:
+                pe = _build({'name': name, opt: value})
+            except ValueError:  # a value this context does not take
+                continue
+            off = base - pe.capabilities.hooks
+            if off:
+                pairs.append((name, opt, value, frozenset(off)))
+    return pairs
+
+
+SWITCH_OFF = _switch_off_pairs()
+
+
+def test_the_options_that_switch_hooks_off_are_found():
+    found = {(n, o, v): off for n, o, v, off in SWITCH_OFF}
+    assert found[('gta', 'value_transform', False)] == {'value', 'output'}
+    assert found[('gta_multiview', 'value_transform', False)] == {'value', 'output'}
+    assert found[('prope', 'value_transform', False)] == {'value', 'output'}
+
+
+def _hook_inputs(pe, name):
+    pos = _camera_positions() if vispe.pe_info(name)['cls'].requires else vispe.grid(*GRID, num_prefix=NPRE)
+    q, k, v = (torch.randn(B, H, pos.num_tokens, HD) for _ in range(3))
+    return pos, q, k, v, torch.randn(B, pos.num_tokens, DIM)
+
+
+def _run_hook(pe, hook, pos, q, k, v, x, state):
+    """The hook's result, and what it would be as the identity (its input, or no term)."""
+    run = {'qk': lambda: (pe.qk(q, k, state, 0, x=x), (q, k)),
+           'bias': lambda: (pe.bias(q, k, state, 0), None),
+           'value': lambda: (pe.value(v, state, 0), v),
+           'output': lambda: (pe.output(v, state, 0), v),
+           'weights_value': lambda: (pe.weights_value(torch.softmax(q @ k.mT, -1), state, 0), None),
+           'embed': lambda: (pe.embed(x, pos), x),
+           'between_blocks': lambda: (pe.between_blocks(x, pos, 0), x)}
+    return run[hook]()
+
+
+@pytest.mark.parametrize('name,option,value,off', SWITCH_OFF,
+                         ids=[f'{n}-{o}={v}' for n, o, v, _ in SWITCH_OFF])
+def test_a_switched_off_hook_is_the_identity_directly_and_in_a_composition(name, option, value, off):
+    torch.manual_seed(0)
+    pe = _build({'name': name, option: value})
+    on = _build(name)  # the same encoding with the hook on, composed after the switched-off one
+    composed = vispe.create_pe([{'name': name, option: value}, name], dim=DIM, num_heads=H, depth=2,
+                               grid_size=GRID, num_prefix_tokens=NPRE)
+    composed.encodings[0].load_state_dict(pe.state_dict())
+    composed.encodings[1].load_state_dict(on.state_dict())
+    pos, q, k, v, x = _hook_inputs(pe, name)
+    with torch.no_grad():
+        for hook in off:
+            got, identity = _run_hook(pe, hook, pos, q, k, v, x, pe.prepare(pos))
+            if identity is None:
+                assert got is None, hook
+            else:
+                torch.testing.assert_close(got, identity, rtol=0, atol=0, msg=hook)
+            # in the composition only the member with the hook on acts
+            got, _ = _run_hook(composed, hook, pos, q, k, v, x, composed.prepare(pos))
+            want, _ = _run_hook(on, hook, pos, q, k, v, x, on.prepare(pos))
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=hook)

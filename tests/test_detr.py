@@ -292,3 +292,33 @@ def test_detr_configs_validate(name):
     assert cfg.task == 'detection' and cfg.name == f'detr_{name}'
     for spec_name, _ in vispe.parse_pe_spec(cfg.model.pe):
         assert spec_name in vispe.list_pes()
+
+
+@pytest.mark.parametrize('spec', ['detr_sine', 'detr_learned', 'learned', 'sincos', 'rope_axial', 'irpe', 'pape'])
+def test_a_key_padding_mask_over_the_whole_sequence_drops_its_prefix_columns(spec):
+    """The documented mask forms: ``(B, N)`` over the positioned tokens, or ``(B, num_prefix + N)`` over
+    the sequence attention sees (the class token's column first); both give the same encoding."""
+    pad = torch.zeros(2, 3, 4, dtype=torch.bool)
+    pad[1, 2:, :] = True
+    pad[1, :, 3:] = True
+    pe = vispe.create_pe(spec, dim=16, num_heads=2, grid_size=(3, 4), num_prefix_tokens=1).eval()
+    positioned = vispe.grid(3, 4, num_prefix=1).replace(key_padding_mask=pad.flatten(1))
+    whole = vispe.grid(3, 4, num_prefix=1).replace(
+        key_padding_mask=torch.cat([torch.zeros(2, 1, dtype=torch.bool), pad.flatten(1)], 1))
+    assert torch.equal(whole.key_padding_mask, positioned.key_padding_mask)
+    x = torch.randn(2, 13, 16)
+    q, k = torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
+    with torch.no_grad():
+        a, b = pe.prepare(positioned), pe.prepare(whole)
+        torch.testing.assert_close(vispe.pe_attention(q, k, k, pe, a, x=x), vispe.pe_attention(q, k, k, pe, b, x=x))
+        torch.testing.assert_close(pe.embed(x, positioned), pe.embed(x, whole))
+
+
+def test_key_padding_masks_of_another_shape_or_dtype_or_padding_a_prefix_token_are_refused():
+    pos = vispe.grid(3, 4, num_prefix=1)
+    with pytest.raises(ValueError, match=r'must be \(B, 12\) over the positioned tokens or \(B, 13\)'):
+        pos.replace(key_padding_mask=torch.zeros(2, 11, dtype=torch.bool))
+    with pytest.raises(ValueError, match='must be a bool tensor'):
+        pos.replace(key_padding_mask=torch.zeros(2, 12))
+    with pytest.raises(ValueError, match='prefix .* tokens are always attended'):
+        pos.replace(key_padding_mask=torch.ones(2, 13, dtype=torch.bool))

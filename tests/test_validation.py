@@ -169,3 +169,64 @@ def test_detr_refuses_a_padding_mask_that_does_not_match_the_images(detr, mask_s
 def test_detr_refuses_a_mask_with_a_list_of_images(detr):
     with pytest.raises(ValueError, match='mask is for a padded batch'):
         detr([torch.randn(3, 64, 64)], torch.zeros(1, 64, 64, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------ specs, contexts and sizes
+@pytest.mark.parametrize('spec', [{'name': []}, {'name': ''}, {'name': 3}, []])
+def test_a_spec_without_an_encoding_name_is_refused_by_name(spec):
+    with pytest.raises(ValueError, match=r'argument pe'):
+        vispe.create_pe(spec, dim=32)
+
+
+@pytest.mark.parametrize('field,value', [('dim', -64), ('dim', 0), ('num_heads', 0), ('head_dim', -8), ('depth', -1),
+                                         ('num_prefix_tokens', -1), ('grid_size', (-4, 4)), ('grid_size', (4, 0)),
+                                         ('grid_size', ()), ('num_axes', 0), ('num_heads', 2.5), ('dim', True)])
+def test_a_context_outside_its_range_is_refused_naming_the_field(field, value):
+    kwargs = {**dict(dim=64, num_heads=2, grid_size=(4, 4)), field: value}
+    with pytest.raises(ValueError, match=f'PEContext.{field} must be'):
+        vispe.create_pe('learned', **kwargs)
+
+
+def test_every_context_field_is_a_keyword_of_create_pe():
+    from dataclasses import fields
+    pe = vispe.create_pe('sincos', dim=64, coordinate_map=True, num_axes=2, embed_prefix=False)
+    assert {f.name for f in fields(vispe.PEContext)} >= {'coordinate_map', 'num_axes', 'embed_prefix'}
+    assert pe.ctx.coordinate_map and not pe.ctx.embed_prefix
+
+
+@pytest.mark.parametrize('spec,option', [('fourier_gaussian:num_features=2147483648', 'num_features'),
+                                         ('detr_learned:num_embeddings=1e9', 'num_embeddings'),
+                                         ('learned', 'the host context')])
+def test_sizes_that_could_not_be_allocated_are_refused_before_allocating(spec, option, monkeypatch):
+    from vispe import registry
+    monkeypatch.setattr(registry, '_memory_bytes', lambda device: 2 ** 30)  # a 1 GiB machine, whatever this one has
+    allocated = []
+    monkeypatch.setattr(torch.Tensor, 'normal_', lambda t, *a, **k: allocated.append(t) if not t.is_meta else t)
+    grid = (4096, 4096) if spec == 'learned' else (4, 4)  # 16.7M tokens x 64 channels x 4 bytes: 4.3 GB
+    with pytest.raises(ValueError, match=f'GB of parameters and buffers .* reduce {option}'):
+        vispe.create_pe(spec, dim=64, num_heads=2, grid_size=grid)
+    assert not allocated
+    assert vispe.create_pe('learned', dim=64, num_heads=2, grid_size=(4, 4), device='meta').pos_embed.is_meta
+
+
+@pytest.mark.parametrize('spec', ['rope_mixed:num_axes=66', 'pape:num_axes=9', 'liere:num_axes=5',
+                                  'fourier_learnable:num_axes=3', 'comrope_ld:num_axes=3', 'nerf_freq:input_dim=3'])
+def test_axes_that_contradict_the_host_are_refused_when_the_model_is_built(spec):
+    option = 'input_dim' if 'input_dim' in spec else 'num_axes'
+    with pytest.raises(ValueError, match=f'option {option}=.* does not match the host, whose positions have 2'):
+        timm.create_model('vit_tiny', pe=spec, img_size=32, patch_size=8, depth=1, embed_dim=64, num_heads=2)
+
+
+def test_axes_equal_to_the_host_or_free_without_a_host_grid_are_taken():
+    assert vispe.create_pe('rope_mixed:num_axes=2', dim=64, num_heads=2, grid_size=(4, 4)).num_axes == 2
+    assert vispe.create_pe('rope_mixed:num_axes=3', dim=96, num_heads=2).num_axes == 3  # no grid: the option decides
+
+
+def test_random_specs_end_in_a_clear_error_or_a_finite_model():
+    """A share of the spec fuzzing run (`tests/spec_fuzz.py`): no unclear error, no silent NaN, and no
+    error at the first forward that the host could have given when the model was built."""
+    from spec_fuzz import run
+    results = run(60, seed=7)
+    assert not results.get('unclear') and not results.get('non-finite'), dict(results)
+    assert not results.get('clear at forward'), results['clear at forward']
+    assert len(results['ok']) > 20 and len(results['clear at build']) > 20  # both kinds were drawn

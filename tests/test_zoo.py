@@ -376,3 +376,88 @@ def test_save_for_hf_export_refuses_another_encoding(tmp_path):
     save_for_hf(timm.create_model('vit_tiny_patch16_224', pe='liere', depth=1, img_size=32), tmp_path)
     with pytest.raises(ValueError, match="saved with pe='liere'"):
         timm.create_model(f'local-dir:{tmp_path}', pretrained=True, pe='rope_axial')
+
+
+# ------------------------------------------------------------------ timm's own model tests on converted models
+TIMM_CHECKED = [  # tiny configurations of the zoo families timm's model tests run on converted models
+    ('deit3_small_patch16_224', 'learned', dict(depth=2, embed_dim=64, num_heads=4)),
+    ('vit_small_patch14_reg4_dinov2', 'rope_mixed', dict(depth=2, embed_dim=64, num_heads=4, img_size=56)),
+    ('vit_base_patch16_siglip_224', 'liere', dict(depth=2, embed_dim=64, num_heads=4, img_size=64)),
+    ('eva02_tiny_patch14_224', 'irpe', dict(depth=2, img_size=56)),
+    ('vit_small_patch16_rope_mixed_224', 'rope_mixed', dict(depth=2, embed_dim=64, num_heads=4, img_size=64)),
+]
+
+
+@pytest.mark.parametrize('name, pe, kwargs', TIMM_CHECKED, ids=[c[0] for c in TIMM_CHECKED])
+def test_converted_models_trace_with_fx_forward_and_backward(name, pe, kwargs):
+    """timm's fx tests: torchvision's `create_feature_extractor` traces the converted model; the traced
+    graph gives the model's output and trains."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+    model = timm.create_model(name, pe=pe, **kwargs).eval()
+    x = _input(model)
+    traced = create_feature_extractor(model, return_nodes=['head'])
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x)['head'], model(x))
+    traced.train()
+    traced(x)['head'].sum().backward()
+    assert all(p.grad is not None for p in model.pe.parameters())
+
+
+def test_features_only_of_a_pruned_timm_rope_model_keeps_its_encoding():
+    """``features_only`` with ``out_indices`` prunes the later blocks before the conversion; the adopted
+    per-layer rope frequencies are those of the blocks left, and the features equal timm's."""
+    kwargs = dict(depth=6, embed_dim=64, num_heads=4, img_size=64, features_only=True, out_indices=(2,))
+    torch.manual_seed(0)
+    ref = timm.create_model('vit_small_patch16_rope_mixed_224', **kwargs).eval()
+    spec = vispe.timm_pe_spec(timm.create_model('vit_small_patch16_rope_mixed_224', depth=6, embed_dim=64, num_heads=4))
+    torch.manual_seed(0)
+    model = timm.create_model('vit_small_patch16_rope_mixed_224', pe=spec, **kwargs).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[0], ref(x)[0])
+
+
+@pytest.mark.parametrize('kwargs', [dict(img_size=64), dict(img_size=64, dynamic_img_size=True, dynamic_img_pad=True)])
+def test_an_input_the_patch_does_not_divide_runs_as_in_timm(kwargs):
+    """A patch-14 Eva at 64 px: timm crops the remainder (fixed size) or pads (dynamic_img_pad); the
+    converted model with timm's own encoding does the same and gives timm's output."""
+    torch.manual_seed(0)
+    ref = timm.create_model('eva02_tiny_patch14_224', depth=1, **kwargs).eval()
+    model = vispe.convert(copy.deepcopy(ref), vispe.timm_pe_spec(ref)).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+
+
+def test_a_zoo_model_at_another_size_says_to_pass_dynamic_img_size():
+    model = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=(32, 48), pe='rope_mixed')
+    with pytest.raises(ValueError, match=r"does not match the model's fixed input size 32x48; build it with "
+                                         r'dynamic_img_size=True'):
+        model(torch.randn(1, 3, 48, 64))
+    dynamic = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=(32, 48),
+                                pe='rope_mixed', dynamic_img_size=True)
+    assert dynamic(torch.randn(1, 3, 48, 64)).shape == (1, 1000)
+
+
+@pytest.mark.parametrize('name', ['eva02_tiny_patch14_224', 'deit3_small_patch16_224', 'vit_tiny'])
+def test_torchscript_is_refused_with_the_reason(name):
+    model = timm.create_model(name, depth=1, pe='learned')
+    with pytest.raises(RuntimeError, match='do not support TorchScript'):
+        torch.jit.script(model)
+    with timm.layers.set_layer_config(scriptable=True), pytest.raises(ValueError, match='do not support TorchScript'):
+        timm.create_model(name, depth=1, pe='learned')
+
+
+@pytest.mark.parametrize('name', ['eva02_tiny_patch14_224', 'deit3_small_patch16_224', 'vit_small_patch16_224'])
+def test_the_host_module_filters_a_timm_checkpoint_for_the_converted_model(name):
+    """timm reads ``checkpoint_filter_fn`` from the module of a model's class (headless reload): the
+    module of every converted host has one, which maps the unconverted model's state dict onto it."""
+    import sys
+    torch.manual_seed(0)
+    ref = timm.create_model(name, depth=1, img_size=56).eval()
+    model = timm.create_model(name, depth=1, img_size=56, pe=vispe.timm_pe_spec(ref)).eval()
+    filtered = sys.modules[type(model).__module__].checkpoint_filter_fn(ref.state_dict(), model)
+    model.load_state_dict(filtered)
+    x = torch.randn(1, 3, 56, 56)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))

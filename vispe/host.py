@@ -26,7 +26,10 @@ from . import positions as P
 from .encodings.base import PositionalEncoding
 from .naflex import embed_patches, naflex_positions
 
-__all__ = ['PEHost', 'PEBlock', 'PatchEmbed', 'TubeletEmbed']
+__all__ = ['PEHost', 'PEBlock', 'PatchEmbed', 'TubeletEmbed', 'NO_TORCHSCRIPT']
+
+NO_TORCHSCRIPT = ('vispe models do not support TorchScript (the encoding hands positions and per-forward '
+                  'state objects to every attention layer); use torch.compile or torch.export instead')
 
 
 # torch.fx (timm's feature_cls='fx', create_feature_extractor) traces the model with proxies for
@@ -34,17 +37,25 @@ __all__ = ['PEHost', 'PEBlock', 'PatchEmbed', 'TubeletEmbed']
 # wrapped: fx records each as one opaque call and runs it on real tensors.
 @torch.fx.wrap
 def _checked_input(x: torch.Tensor, video: bool, patch_size: Tuple[int, int], dynamic_pad: bool,
-                   tubelet: int) -> torch.Tensor:
-    """``x`` after the checks of its layout and size against the patch (and tubelet) size."""
+                   tubelet: int, fixed_size: Optional[Tuple[int, int]]) -> torch.Tensor:
+    """``x`` after the checks of its layout and size, timm's rules: a model of fixed input size
+    (``fixed_size``, timm's ``strict_img_size``) takes exactly that size (a remainder the patch does
+    not divide is cropped by the patch convolution, as in timm); a dynamic-size one any size the patch
+    divides (or any size with ``dynamic_img_pad``)."""
     want = 5 if video else 4
     if x.dim() != want:
         layout = '(B, C, T, H, W)' if video else '(B, C, H, W)'
         raise ValueError(f'input must be {layout}, got shape {tuple(x.shape)}')
     ph, pw = patch_size
     h, w = x.shape[-2:]
-    if (h % ph or w % pw) and not dynamic_pad:
+    if fixed_size is not None:
+        if (h, w) != tuple(fixed_size):
+            raise ValueError(f'input size {h}x{w} does not match the model\'s fixed input size '
+                             f'{fixed_size[0]}x{fixed_size[1]}; build it with dynamic_img_size=True to take any size '
+                             f'that the patch size {ph}x{pw} divides')
+    elif (h % ph or w % pw) and not dynamic_pad:
         raise ValueError(f'input size {h}x{w} is not divisible by the patch size {ph}x{pw}; '
-                         f'use a size that is a multiple of {ph}x{pw}')
+                         f'use a size that is a multiple of {ph}x{pw} (or build with dynamic_img_pad=True)')
     if video and x.shape[2] % tubelet:
         raise ValueError(f'clip length {x.shape[2]} is not divisible by tubelet={tubelet}')
     return x
@@ -141,6 +152,9 @@ class PEHost:
     """
     video: bool = False
 
+    def __prepare_scriptable__(self) -> 'PEHost':
+        raise RuntimeError(NO_TORCHSCRIPT)
+
     def positions(self, grid: Sequence[int], device: torch.device) -> P.Positions:
         """The positions of a token grid of this model (integer indices, prefix tokens first)."""
         return P.grid(*grid, num_prefix=self.num_prefix_tokens, train_grid=self.patch_embed.grid_size,
@@ -184,8 +198,10 @@ class PEHost:
         return self.norm_pre(x), pos, mask, valid
 
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, P.Positions]:
+        strict = getattr(self.patch_embed, 'strict_img_size', False) and self.patch_embed.img_size is not None
         x = _checked_input(x, self.video, tuple(self.patch_embed.patch_size),
-                           getattr(self.patch_embed, 'dynamic_img_pad', False), getattr(self.patch_embed, 'tubelet', 1))
+                           getattr(self.patch_embed, 'dynamic_img_pad', False), getattr(self.patch_embed, 'tubelet', 1),
+                           tuple(self.patch_embed.img_size) if strict else None)
         x, pos = _token_sequence(self.patch_embed(x), self._prefix_tokens(), self.num_prefix_tokens,
                                  tuple(self.patch_embed.grid_size))
         x = self.pos_drop(_pe_hook(self.pe, 'embed', x, pos))

@@ -17,8 +17,10 @@ back as a canonical spec string. Errors quote user input cut to 80 characters.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+
+import torch
 
 from .options import short_repr
 from .encodings.base import ComposedPE, PEContext, PositionalEncoding, build_with_factory_kwargs
@@ -26,7 +28,7 @@ from .options import coerce, did_you_mean, format_value, signature_options, unkn
 
 __all__ = ['register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'format_pe_spec', 'pe_info', 'PESpec']
 
-_CONTEXT_FIELDS = ('dim', 'num_heads', 'head_dim', 'depth', 'grid_size', 'num_prefix_tokens', 'embed_prefix')
+_CONTEXT_FIELDS = tuple(f.name for f in fields(PEContext))
 PESpec = Union[str, Mapping[str, Any], Sequence[Union[str, Mapping[str, Any]]], None]
 
 
@@ -144,6 +146,9 @@ def _parse(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
             raise ValueError(f"a dict encoding spec needs a 'name' key, got keys {short_repr(sorted(spec))} "
                              '(argument pe)')
         name = spec.pop('name')
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"the 'name' of a dict encoding spec must be an encoding name or spec string, got "
+                             f"{short_repr(name)} (argument pe). Available: {', '.join(list_pes())}.")
         parsed = _parse(name)
         if len(parsed) > 1:
             if spec:
@@ -174,6 +179,8 @@ def _parse(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
             out.append((name.strip(), opts))
         return out
     if isinstance(spec, Sequence):
+        if not spec:
+            raise ValueError("an empty list is no encoding spec (argument pe); use 'none' for no encoding")
         return [item for s in spec for item in _parse(s)]
     raise TypeError(f'pe must be a str, dict or list of them, got {type(spec).__name__}')
 
@@ -218,7 +225,54 @@ def create_pe(spec: PESpec = 'none', ctx: Optional[PEContext] = None, *, device=
             raise ValueError(f'extra options {sorted(kwargs)} are ambiguous for the composed spec {short_repr(spec)}')
         parts = [(parts[0][0], {**parts[0][1], **kwargs})]
 
+    typed = [(name, _coerce_options(name, raw)) for name, raw in parts]
+
     def build() -> PositionalEncoding:
-        encodings = [_lookup(name).cls(ctx, **_coerce_options(name, raw)) for name, raw in parts]
+        encodings = [_lookup(name).cls(ctx, **options) for name, options in typed]
         return encodings[0] if len(encodings) == 1 else ComposedPE(ctx, encodings)
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    if target.type != 'meta':
+        _check_size(build, typed, target, dtype)
     return build_with_factory_kwargs(build, device=device, dtype=dtype)
+
+
+def _memory_bytes(device: torch.device) -> Optional[int]:
+    """Memory an encoding built on ``device`` can take: the device's total on a GPU, the available
+    memory of this machine on the CPU (Linux), None where it cannot be read."""
+    if device.type == 'cuda':
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != 'cpu':
+        return None
+    try:
+        with open('/proc/meminfo') as f:
+            info = dict(line.split(':', 1) for line in f)
+        return int(info['MemAvailable'].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _check_size(build: Callable[[], PositionalEncoding], parts: Sequence[Tuple[str, Dict[str, Any]]],
+                device: torch.device, dtype: Optional[torch.dtype]) -> None:
+    """Refuse, before allocating, an encoding whose parameters and buffers could not be built on
+    ``device``: sizes from options have no upper bound of their own. Counted on a meta-device twin;
+    building takes about twice the final size (a tensor and its initialised copy)."""
+    try:
+        with torch.device('meta'):
+            twin = build()
+    except (RuntimeError, OverflowError, TypeError) as e:  # sizes beyond what a tensor can have
+        given = ', '.join(f'{k}={v}' for _, options in parts for k, v in options.items()) or 'its defaults'
+        raise ValueError(f'encoding {short_repr(format_pe_spec(parts))} cannot be built with {given}: '
+                         f'{str(e).splitlines()[0][:120]}') from e
+    width = torch.finfo(dtype).bits // 8 if dtype is not None and dtype.is_floating_point else None
+    nbytes = sum(t.numel() * (width if width and t.is_floating_point() else t.element_size())
+                 for t in (*twin.parameters(), *twin.buffers()))
+    limit = _memory_bytes(device)
+    if limit is None or 2 * nbytes <= limit:
+        return
+    sizes = {k: v for _, options in parts for k, v in options.items()
+             if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    given = ', '.join(f'{k}={v}' for k, v in sizes.items()) or 'no size option'
+    names = ', '.join(sizes) or 'the host context (dim, depth, grid_size)'
+    raise ValueError(f'encoding {short_repr(format_pe_spec(parts))} would hold {nbytes / 1e9:.1f} GB of parameters '
+                     f'and buffers ({given}), more than {device.type} memory can build ({limit / 1e9:.1f} GB '
+                     f'available, about twice the size needed); reduce {names}')

@@ -21,20 +21,19 @@ from timm.layers import PatchDropoutWithIndices, is_scriptable
 from timm.models import generate_default_cfgs, register_model
 from timm.models._builder import build_model_with_cfg
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
+from timm.models.eva import Eva
+from timm.models.eva import checkpoint_filter_fn as timm_eva_checkpoint_filter_fn
 from timm.models.vision_transformer import checkpoint_filter_fn as timm_checkpoint_filter_fn
 
 from .attention import PEAttention
 from .encodings.base import PEContext, PositionalEncoding
-from .host import PEBlock, PEHost, PatchEmbed, TubeletEmbed
+from .host import NO_TORCHSCRIPT, PEBlock, PEHost, PatchEmbed, TubeletEmbed
 from .registry import PESpec, create_pe
 
 __all__ = ['VisionTransformer', 'LoadReport', 'adopt_pos_embed', 'VIT_SIZES', 'checkpoint_filter_fn',
            'load_timm_checkpoint']
 
 _logger = logging.getLogger(__name__)
-
-_NO_TORCHSCRIPT = ('vispe models do not support TorchScript (the encoding hands positions and per-forward '
-                   'state objects to every attention layer); use torch.compile or torch.export instead')
 
 
 class VisionTransformer(PEHost, TimmVisionTransformer):
@@ -72,7 +71,7 @@ class VisionTransformer(PEHost, TimmVisionTransformer):
         if 'pos_embed' in kwargs:
             raise ValueError("argument pos_embed is replaced by pe= in vispe models (e.g. pe='learned' or pe='none')")
         if is_scriptable():
-            raise ValueError(f'scriptable=True: {_NO_TORCHSCRIPT}')
+            raise ValueError(f'scriptable=True: {NO_TORCHSCRIPT}')
         checks = [('num_heads', kwargs.get('num_heads', 12))] + ([('num_frames', num_frames), ('tubelet', tubelet)]
                                                                  if video else [])
         for arg, value in checks:
@@ -100,6 +99,9 @@ class VisionTransformer(PEHost, TimmVisionTransformer):
             head_dim=head_dim, depth=len(self.blocks), grid_size=tuple(self.patch_embed.grid_size),
             num_prefix_tokens=self.num_prefix_tokens, embed_prefix=not self.no_embed_class)
         self.pe = create_pe(pe, self.pe_context, **dd)
+        if self.pe.capabilities.requires:
+            raise ValueError(f'pe={pe!r} needs {sorted(self.pe.capabilities.requires)} in its positions, which an '
+                             'image ViT does not supply (use a camera-aware host)')
         if self.patch_drop is not None and 'between_blocks' in self.pe.hooks:
             raise ValueError(f'patch_drop_rate > 0 cannot be combined with pe={pe!r}: it needs the full token grid')
 
@@ -111,9 +113,6 @@ class VisionTransformer(PEHost, TimmVisionTransformer):
         pe = getattr(self, 'pe', None)  # timm's constructor initialises before the encoding exists
         if pe is not None:
             pe.reset_parameters()
-
-    def __prepare_scriptable__(self) -> 'VisionTransformer':
-        raise RuntimeError(_NO_TORCHSCRIPT)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -164,10 +163,19 @@ def adopt_pos_embed(pe: PositionalEncoding, table: torch.Tensor, num_prefix_toke
                      f'{"a square grid" if grid is None else f"the grid {tuple(grid)}"} nor the grid alone')
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTransformer) -> Dict[str, torch.Tensor]:
-    """Adapt a timm ViT state dict to a vispe ViT with any encoding, and validate it.
+class _RopeWeights:
+    """A timm rope module's learned frequencies read from a state dict (what `adopt_timm_rope` reads)."""
 
-    timm's own filter converts the formats it knows (patch-embed resampling, CLIP / DINOv2 layouts);
+    def __init__(self, entries: Dict[str, torch.Tensor]) -> None:
+        self.freqs = entries['rope.freqs']
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTransformer) -> Dict[str, torch.Tensor]:
+    """Adapt a timm ViT / Eva state dict to a vispe host (vispe's ViT, a converted timm model) with any
+    encoding, and validate it.
+
+    timm's own filter for the model's family converts the formats it knows (patch-embed resampling,
+    CLIP / DINOv2 / EVA layouts); a learned rope's frequencies go to the encoding that takes them;
     then ``pos_embed`` moves into the learned encoding (resampled to its grid) or is dropped, and the
     encoding's parameters are marked as initialised. The classifier (``head.*``) is kept where the
     model has one of the same shape, else dropped (a headless ``num_classes=0`` backbone, another
@@ -176,8 +184,14 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
     encoding and the classifier, raise: that is a different architecture. The report is logged and
     stored as ``model.pretrained_report``.
     """
-    sd = timm_checkpoint_filter_fn(state_dict, model)
+    sd = (timm_eva_checkpoint_filter_fn if isinstance(model, Eva) else timm_checkpoint_filter_fn)(state_dict, model)
     dropped, resampled = [], []
+    rope = {k: sd.pop(k) for k in [k for k in sd if k.startswith('rope.')]}
+    if rope:  # an Eva's rope: a learned one (RoPE-Mixed) hands its frequencies to the encoding
+        taken = model.pe.adopt_timm_rope(_RopeWeights(rope)) if 'rope.freqs' in rope else {}
+        sd.update({f'pe.{k}': v for k, v in taken.items()})
+        if not taken:
+            dropped += sorted(rope)
     table = sd.pop('pos_embed', None)
     if table is not None:
         entries, resampled = adopt_pos_embed(model.pe, table, model.num_prefix_tokens,

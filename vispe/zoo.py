@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 import timm
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention, AttentionRope, DiffAttention, PatchDropout, PatchDropoutWithIndices
+from timm.layers import Attention, AttentionRope, DiffAttention, PatchDropout, PatchDropoutWithIndices, is_scriptable
 from timm.layers.pos_embed_sincos import (
     RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed, RotaryEmbeddingMRope,
 )
@@ -53,9 +53,13 @@ from .encodings.base import PEContext, PositionalEncoding
 from .host import PEBlock, PEHost
 from .positions import Positions
 from .registry import PESpec, create_pe, format_pe_spec
-from .vit import LoadReport, VisionTransformer, adopt_pos_embed
+from .vit import NO_TORCHSCRIPT, LoadReport, VisionTransformer, adopt_pos_embed, checkpoint_filter_fn
 
-__all__ = ['convert', 'timm_pe_spec', 'ZOO_MODULES', 'PEEva', 'PEVisionTransformerDistilled']
+__all__ = ['convert', 'timm_pe_spec', 'checkpoint_filter_fn', 'ZOO_MODULES', 'PEEva', 'PEVisionTransformerDistilled']
+
+# torch.fx records calls of this module's `pe_attention` as opaque ones (`torch.fx.wrap` covers the
+# calls made from the module that wraps the name)
+torch.fx.wrap('pe_attention')
 
 _logger = logging.getLogger(__name__)
 
@@ -499,6 +503,8 @@ def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None,
             differential attention), naming the model and the reason.
     """
     label = _model_name(model, name)
+    if is_scriptable():
+        raise ValueError(f'{label} was built with scriptable=True: {NO_TORCHSCRIPT}')
     _check_convertible(model, label)
     ref = next(iter(model.parameters()), None)
     dd = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}

@@ -12,6 +12,8 @@ after ``q.k * scale``).
 from __future__ import annotations
 
 import contextlib
+import functools
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Tuple, \
     TypeVar, Union
@@ -116,25 +118,46 @@ class PEContext:
     coordinate_map: bool = False
 
     def __post_init__(self) -> None:
+        for name, least in (('dim', 1), ('num_heads', 1), ('head_dim', 1), ('depth', 0), ('num_prefix_tokens', 0),
+                            ('num_axes', 1)):
+            value = getattr(self, name)
+            if value is None and name in ('head_dim', 'num_axes'):
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise ValueError(f'PEContext.{name} must be an integer >= {least}, got {value!r}')
         if self.head_dim is None:
             if self.dim % self.num_heads:
                 raise ValueError(f'dim={self.dim} is not divisible by num_heads={self.num_heads}; pass head_dim')
             object.__setattr__(self, 'head_dim', self.dim // self.num_heads)
         if self.grid_size is not None:
-            object.__setattr__(self, 'grid_size', tuple(int(g) for g in self.grid_size))
-        if self.num_axes is not None and self.num_axes < 1:
-            raise ValueError(f'num_axes must be >= 1, got {self.num_axes}')
+            grid = tuple(self.grid_size)
+            if not grid or any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1 for g in grid):
+                raise ValueError(f'PEContext.grid_size must be positive integers, one per axis, got {grid!r}')
+            object.__setattr__(self, 'grid_size', tuple(int(g) for g in grid))
+
+    @property
+    def host_axes(self) -> Optional[int]:
+        """The coordinate axes of the positions the host supplies, where it fixes them: ``num_axes``, else
+        its grid's; None when only the positions will tell."""
+        if self.num_axes is not None:
+            return self.num_axes
+        return len(self.grid_size) if self.grid_size else None
 
 
-def resolve_num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
-    """Coordinate axes D: the option, else the host's (``ctx.num_axes``), else its grid's, else 2."""
+def resolve_num_axes(ctx: PEContext, num_axes: Optional[int], name: str, option: str = 'num_axes') -> int:
+    """Coordinate axes D: the option, else the host's (``ctx.num_axes``), else its grid's, else 2. An
+    option that contradicts the host's axes is refused when the encoding is built, not at its first
+    forward."""
+    host = ctx.host_axes
     if num_axes is not None:
         if num_axes < 1:
-            raise ValueError(f'option num_axes of encoding {name!r} must be >= 1, got {num_axes}')
+            raise ValueError(f'option {option} of encoding {name!r} must be >= 1, got {num_axes}')
+        if host is not None and num_axes != host:
+            where = f'num_axes={ctx.num_axes}' if ctx.num_axes is not None else f'grid {ctx.grid_size}'
+            raise ValueError(f'option {option}={num_axes} of encoding {name!r} does not match the host, whose '
+                             f'positions have {host} coordinate axes ({where}); leave {option} out to follow the host')
         return num_axes
-    if ctx.num_axes is not None:
-        return ctx.num_axes
-    return len(ctx.grid_size) if ctx.grid_size else 2
+    return 2 if host is None else host
 
 
 class PositionalEncoding(nn.Module):
@@ -169,6 +192,12 @@ class PositionalEncoding(nn.Module):
     changes_head_dim: ClassVar[bool] = False
     requires: ClassVar[FrozenSet[str]] = frozenset()
     name: ClassVar[str] = ''
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for hook in HOOKS:
+            if hook in cls.__dict__:
+                setattr(cls, hook, _honour_capabilities(hook, cls.__dict__[hook]))
 
     def __new__(cls, *args: Any, **kwargs: Any) -> 'PositionalEncoding':
         # options are checked against the constructor's typed signature (signature cached per class),
@@ -340,12 +369,39 @@ class PositionalEncoding(nn.Module):
         """Each attention: map the per-head output ``(B, H, Nq, hd)`` before the heads merge."""
         return o
 
-    def weights_value(self, attn: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
-        """Each attention, explicit path only: a term added to the output from the weights ``attn``."""
+    def weights_value(self, attn: torch.Tensor, state: Any, layer: int) -> Optional[torch.Tensor]:
+        """Each attention, explicit path only: a term added to the output from the weights ``attn``
+        (None where the encoding's options switch this term off)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
         return self.name
+
+
+# what a hook that an encoding's options switch off returns: its input unchanged, or no term
+_IDENTITY: Dict[str, Callable[..., Any]] = {
+    'embed': lambda x, *rest, **kw: x,
+    'between_blocks': lambda x, *rest, **kw: x,
+    'qk': lambda q, k, *rest, **kw: (q, k),
+    'bias': lambda *args, **kw: None,
+    'value': lambda v, *rest, **kw: v,
+    'output': lambda o, *rest, **kw: o,
+    'weights_value': lambda *args, **kw: None,
+}
+
+
+def _honour_capabilities(hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a subclass's hook) that does nothing when the encoding's options switch the hook off
+    (it is missing from ``capabilities.hooks``), however it is reached: through attention, a
+    composition or a direct call. The one place that makes declared capabilities binding."""
+    identity = _IDENTITY[hook]
+
+    @functools.wraps(fn)
+    def hook_method(self: 'PositionalEncoding', *args: Any, **kwargs: Any) -> Any:
+        if hook not in self.capabilities.hooks:
+            return identity(*args, **kwargs)
+        return fn(self, *args, **kwargs)
+    return hook_method
 
 
 def autocast_off(device: torch.device) -> ContextManager:

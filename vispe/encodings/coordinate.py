@@ -47,6 +47,9 @@ def unit_coordinates(pos: Positions, grid_range: GridRange = 'unit') -> torch.Te
     return unit if grid_range == 'unit' else 2 * unit - 1
 
 
+MAX_LEVELS = 32
+
+
 class FrequencyEncoding(nn.Module):
     """NeRF's frequency ("positional") encoding as a plain module: ``(..., D) -> (..., out_dim)``.
 
@@ -77,8 +80,9 @@ class FrequencyEncoding(nn.Module):
         super().__init__()
         if input_dim <= 0:
             raise ValueError(f'input_dim must be positive, got {input_dim}')
-        if levels < 0:
-            raise ValueError(f'levels must be >= 0, got {levels}')
+        if not 0 <= levels <= MAX_LEVELS:
+            # beyond 2^31 a float32 product with a unit coordinate keeps no fractional part: noise features
+            raise ValueError(f'levels must be in 0..{MAX_LEVELS} (the top frequency is 2^(levels - 1)), got {levels}')
         if layout not in ('nerf', 'grouped'):
             raise ValueError(f"layout must be 'nerf' or 'grouped', got {layout!r}")
         if levels == 0 and not include_input:
@@ -191,11 +195,14 @@ class CoordinatePE(AdditivePE):
         self.encoder = encoder
         self.grid_range = grid_range
         project = not ctx.coordinate_map if project is None else project
+        if not project and not ctx.coordinate_map and encoder.out_dim != ctx.dim:
+            raise ValueError(f'encoding {self.name!r} with project=False gives {encoder.out_dim} features but the '
+                             f'tokens have dim={ctx.dim}; set project=True')
         self.proj = nn.Linear(encoder.out_dim, ctx.dim) if project else None
 
     @classmethod
     def _input_dim(cls, ctx: PEContext, input_dim: Optional[int]) -> int:
-        return resolve_num_axes(ctx, None, cls.name) if input_dim is None else input_dim
+        return resolve_num_axes(ctx, input_dim, cls.name, option='input_dim')
 
     @property
     def out_dim(self) -> int:

@@ -32,14 +32,10 @@ def _grid_mask(pos: Positions, name: str) -> torch.Tensor:
         raise ValueError(f'encoding {name!r} needs 2D grid positions (vispe.positions.grid(h, w)), '
                          f'got grid={pos.grid}')
     h, w = pos.grid
-    mask = pos.key_padding_mask
+    mask = pos.key_padding_mask  # (B, h * w): `Positions` drops the columns of prefix tokens
     if mask is None:
         return torch.ones(1, h, w, dtype=torch.bool, device=pos.device)
-    if mask.dim() != 2 or mask.shape[-1] not in (h * w, pos.num_tokens):
-        raise ValueError(f'Positions.key_padding_mask must be (B, {h * w}) or (B, {pos.num_tokens}) for grid '
-                         f'{pos.grid}, got {tuple(mask.shape)}')
-    mask = mask[:, mask.shape[-1] - h * w:]  # drop prefix columns when the mask covers the whole sequence
-    return ~mask.bool().reshape(-1, h, w)
+    return ~mask.reshape(-1, h, w)
 
 
 @register_pe('detr_sine', family='detr')
@@ -171,6 +167,9 @@ class DetrLearned(AdditivePE):
         if num_embeddings <= 0:
             raise ValueError(f"option 'num_embeddings' of encoding 'detr_learned' must be positive, "
                              f"got {num_embeddings}")
+        if ctx.grid_size is not None and max(ctx.grid_size) > num_embeddings:
+            raise ValueError(f"option 'num_embeddings' of encoding 'detr_learned' is {num_embeddings}, fewer than the "
+                             f'host grid {ctx.grid_size} has rows or columns; use at least {max(ctx.grid_size)}')
         self.num_embeddings = num_embeddings
         self.row_embed = nn.Embedding(num_embeddings, ctx.dim // 2)
         self.col_embed = nn.Embedding(num_embeddings, ctx.dim // 2)

@@ -208,8 +208,8 @@ class IRPE(PositionalEncoding):
     ) -> None:
         super().__init__(ctx)
         ratio = DEFAULT_RATIO[method] if ratio is None else ratio
-        if ratio <= 0:
-            raise ValueError(f"option 'ratio' of encoding 'irpe' must be > 0, got {ratio}")
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise ValueError(f"option 'ratio' of encoding 'irpe' must be finite and > 0, got {ratio}")
         if ctx.grid_size is not None and len(ctx.grid_size) != 2:
             raise ValueError(f"encoding 'irpe' needs a 2D token grid, got grid_size={ctx.grid_size}")
         self.method, self.mode, self.on, self.ratio = method, mode, on, ratio

@@ -87,6 +87,8 @@ class LieRE(RotationPE):
             raise ValueError(f"option positions of encoding 'liere' must be one of ('linspace', 'index', "
                              f"'normalized'), got {positions!r}")
         check_nonnegative('liere', 'init_scale', init_scale)
+        if init_scale > 1e3:  # angles that wrap thousands of times per patch are noise (and overflow expm)
+            raise ValueError(f"option 'init_scale' of encoding 'liere' must be at most 1000, got {init_scale}")
         self.gd = gd
         self.rotation_kind = 'pair' if gd == 2 else 'block'
         self.num_blocks = ctx.head_dim // gd

@@ -32,6 +32,9 @@ __all__ = ['PaPE', 'PaPERI', 'pape_coordinates']
 BiasScale = Literal['logit', 'qk']
 
 
+MAX_START = 1e4
+
+
 def pape_coordinates(pos: Positions, start: float = 1.0, grid_mode: GridMode = 'index') -> torch.Tensor:
     """PaPE's token coordinates ``([B,] N_total, D)`` (at least float32), prefix tokens included.
 
@@ -73,9 +76,13 @@ class _Parabolic(PositionalEncoding):
                  bias_scale: BiasScale, pad_to_multiple: int, extra: int) -> None:
         super().__init__(ctx)
         check_min_int(self.name, 'pad_to_multiple', pad_to_multiple)
-        if isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start):
-            raise ValueError(f"option 'start' of encoding {self.name!r} must be a finite number, "
-                             f'got {short_repr(start)}')
+        if pad_to_multiple > 256:  # the widest head the flash kernels take; more padding only costs
+            raise ValueError(f"option 'pad_to_multiple' of encoding {self.name!r} must be at most 256, "
+                             f'got {pad_to_multiple}')
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or not abs(start) <= MAX_START:
+            # the parabolas square the coordinates: they must stay far inside float32's range
+            raise ValueError(f"option 'start' of encoding {self.name!r} must be a number in "
+                             f'[-{MAX_START:g}, {MAX_START:g}], got {short_repr(start)}')
         for option, value, allowed in (('grid_mode', grid_mode, ('index', 'normalized')),
                                        ('bias_scale', bias_scale, ('logit', 'qk'))):
             if value not in allowed:

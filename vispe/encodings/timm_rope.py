@@ -126,6 +126,11 @@ class TimmRope(RotationPE):
         self.normalize_coords = normalize_coords
         self.periods_range = (min_period, max_period) if min_period is not None else None
         self.mrope_section = tuple(mrope_section)
+        for option, value, least in (('shift_coords', shift_coords, 0.0), ('jitter_coords', jitter_coords, 1.0),
+                                     ('rescale_coords', rescale_coords, 1.0)):
+            if value is not None and not (math.isfinite(value) and value >= least):  # timm's ranges, checked here
+                raise ValueError(f"option {option!r} of encoding 'rope_timm' must be finite and >= {least:g}, "
+                                 f'got {value}')
         self.augment = dict(shift_coords=shift_coords, jitter_coords=jitter_coords, rescale_coords=rescale_coords)
         if rope_type == 'mixed':
             self.freqs = nn.Parameter(init_random_2d_freqs(hd, ctx.depth, ctx.num_heads, temperature=temperature))
@@ -139,6 +144,11 @@ class TimmRope(RotationPE):
         if self.rope_type != 'mixed':
             return {}
         freqs = getattr(rope, 'freqs', None)
+        depth = self.freqs.shape[1]
+        # (2, depth, heads, hd / 4); a model whose later blocks timm pruned (features_only, out_indices)
+        # keeps the whole rope module: its first layers are the ones left
+        if freqs is not None and freqs.dim() == 4 and freqs.shape[1] > depth:
+            freqs = freqs[:, :depth]
         if freqs is None or freqs.shape != self.freqs.shape:
             raise ValueError(f"encoding 'rope_timm' (mixed) has freqs {tuple(self.freqs.shape)}, the timm rope module "
                              f'{None if freqs is None else tuple(freqs.shape)}')

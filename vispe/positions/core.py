@@ -39,7 +39,8 @@ class Positions:
         train_grid: grid shape the model was trained at; ``normalized`` modes rescale to it.
         cameras: optional camera data for geometry-aware encodings.
         view_index: optional ``(N,)`` or ``(B, N)`` camera index of each token.
-        key_padding_mask: optional ``(B, N)`` bool mask, True where a token is padding.
+        key_padding_mask: optional ``(B, N)`` bool mask, True where a token is padding; a mask over the
+            whole sequence ``(B, num_prefix + N)`` is taken too (its prefix columns, never padding, dropped).
         grids: per-sample grid shapes of a native-resolution (NaFlex) batch: sample ``b``'s first
             ``prod(grids[b])`` rows of ``coords`` ``(B, N, D)`` are the integer indices of its own grid
             in row-major order and the rest is padding (``key_padding_mask`` True, coordinates 0);
@@ -60,6 +61,24 @@ class Positions:
     grids: Optional[Tuple[Tuple[int, ...], ...]] = None
     selected_from: Optional[Tuple[Tuple[int, ...], ...]] = None
 
+    def _positioned_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A key padding mask over the positioned tokens ``(B, N)``: given so, or over the whole sequence
+        ``(B, num_prefix + N)`` (as attention sees it), whose prefix columns are dropped."""
+        n, npre = self.coords.shape[-2], self.num_prefix
+        if not torch.is_tensor(mask) or mask.dim() != 2 or mask.shape[-1] not in (n, n + npre):
+            shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+            whole = f' or (B, {n + npre}) with the {npre} prefix tokens first' if npre else ''
+            raise ValueError(f'Positions.key_padding_mask must be (B, {n}) over the positioned tokens{whole}, '
+                             f'True where a token is padding; got {shape}')
+        if mask.dtype != torch.bool:
+            raise ValueError(f'Positions.key_padding_mask must be a bool tensor (True = padding), got {mask.dtype}')
+        if mask.shape[-1] == n:
+            return mask
+        if not is_tracing() and bool(mask[:, :npre].any()):
+            raise ValueError('Positions.key_padding_mask marks prefix tokens as padding; prefix (class / register) '
+                             'tokens are always attended')
+        return mask[:, npre:]
+
     def __post_init__(self) -> None:
         if not torch.is_tensor(self.coords) or self.coords.dim() not in (2, 3):
             raise ValueError(
@@ -71,10 +90,8 @@ class Positions:
             raise ValueError(f'Positions.num_prefix must be >= 0, got {self.num_prefix}')
         if self.grid is not None and math.prod(self.grid) != self.coords.shape[-2]:
             raise ValueError(f'Positions.grid {self.grid} does not match {self.coords.shape[-2]} coordinates')
-        if self.key_padding_mask is not None and (
-                self.key_padding_mask.dim() != 2 or self.key_padding_mask.shape[-1] != self.coords.shape[-2]):
-            raise ValueError(f'Positions.key_padding_mask must be (B, {self.coords.shape[-2]}) like the coordinates, '
-                             f'got {tuple(self.key_padding_mask.shape)}')
+        if self.key_padding_mask is not None:
+            object.__setattr__(self, 'key_padding_mask', self._positioned_mask(self.key_padding_mask))
         if self.grids is not None:
             if self.grid is not None or self.coords.dim() != 3 or len(self.grids) != self.coords.shape[0]:
                 raise ValueError(f'Positions.grids needs batched coordinates (B, N, D) with one grid per sample '
