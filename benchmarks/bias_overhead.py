@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import timm
 import torch
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _timing import compare, eval_step, peak_memory, train_step  # noqa: E402
 
 import vispe  # noqa: E402  (also registers the models in timm)
-from vispe.attention import PEAttention  # noqa: E402
+from vispe import PEAttention  # noqa: E402
 from vispe.registry import create_pe  # noqa: E402
 
 # (label, spec, target ratio from the issue)
@@ -92,7 +92,7 @@ def memory(args: argparse.Namespace) -> None:
 
             def run():
                 state = pe.prepare(pos)
-                attn(x, pe=pe, state=state).sum().backward()
+                attn(x, pe=state).sum().backward()
             results[spec] = peak_memory(run)
         for spec in ('irpe', 'irpe:on=qk'):
             extra = results[spec] - results['none']

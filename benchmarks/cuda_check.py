@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vispe  # noqa: E402  (registers the ViTs in timm)
-from vispe.attention import PEAttention  # noqa: E402
+from vispe import PEAttention  # noqa: E402
 from vispe.rotary import fused as fused_kernels  # noqa: E402
 from _timing import compare, compile_models, peak_memory  # noqa: E402
 
@@ -119,8 +119,9 @@ class CameraHost(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pe is None:
             return self.attn(x)
-        x = self.pe.embed(x, self.pos)  # Plücker rays are added to the tokens; a no-op for the others
-        return self.attn(x, pe=self.pe, state=self.pe.prepare(self.pos))
+        pe = self.pe.prepare(self.pos)
+        x = pe.embed(x)  # Plücker rays are added to the tokens; a no-op for the others
+        return self.attn(x, pe=pe)
 
 
 def build(spec: str, args: argparse.Namespace, device: torch.device, pos: vispe.Positions, model: str

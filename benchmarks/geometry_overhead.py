@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _timing import compare, eval_step, train_step  # noqa: E402
 
 import vispe  # noqa: E402
-from vispe.attention import PEAttention  # noqa: E402
+from vispe import PEAttention  # noqa: E402
 from vispe.cameras import Cameras  # noqa: E402
 
 
@@ -72,9 +72,9 @@ def vit(args: argparse.Namespace) -> None:
 
     def hooks():
         for layer in range(len(m.blocks)):
-            m.pe.qk(q, k, state, layer)
-            m.pe.value(v, state, layer)
-            m.pe.output(v, state, layer)
+            state.qk(q, k, layer)
+            state.value(v, layer)
+            state.output(v, layer)
     times = _timer(args)({'none': eval_step(models['none'].eval(), x), 'gta hooks': hooks},
                          rounds=args.rounds, per_round=1, warmup=1)
     print(f"  gta hooks alone (q, k, v, output maps of all {len(m.blocks)} layers): "
@@ -111,14 +111,14 @@ def multiview(args: argparse.Namespace) -> None:
     def forward(pe, state):
         def run():
             with torch.no_grad():
-                return attn(x, pe=pe, state=state)
+                return attn(x, pe=state)
         return run
 
     def train(pe, state):
         def run():
             attn.zero_grad(set_to_none=True)
             x_grad.grad = None
-            attn(x_grad, pe=pe, state=state).sum().backward()
+            attn(x_grad, pe=state).sum().backward()
         return run
 
     def prepare(pe):

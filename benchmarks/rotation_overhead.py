@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vispe  # noqa: E402  (registers the ViTs in timm)
-from vispe.encodings.base import PositionalEncoding  # noqa: E402
+from vispe.contract import PositionalEncoding  # noqa: E402
 from vispe.encodings.liere import LieRE  # noqa: E402
 from _timing import compare, peak_memory  # noqa: E402
 

@@ -143,10 +143,10 @@ class Attention(nn.Module):
         return F.linear(x, w, b).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                pe: Optional[vispe.PositionalEncoding] = None, state: Any = None, layer: int = 0,
+                pe: Optional[vispe.PreparedPE] = None, layer: int = 0,
                 attn_mask: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = self._heads(query, 0), self._heads(key, 1), self._heads(value, 2)
-        o = vispe.pe_attention(q, k, v, pe, state, layer, x=tokens, attn_mask=attn_mask,
+        o = vispe.pe_attention(q, k, v, pe, layer, x=tokens, attn_mask=attn_mask,
                                dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(o.transpose(1, 2).flatten(2))
 
@@ -165,10 +165,10 @@ class EncoderLayer(nn.Module):
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
 
-    def forward(self, src: torch.Tensor, pos_embed: Optional[torch.Tensor], pe: Optional[vispe.PositionalEncoding],
-                state: Any, layer: int, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, pos_embed: Optional[torch.Tensor], pe: Optional[vispe.PreparedPE],
+                layer: int, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         qk = src if pos_embed is None else src + pos_embed
-        src = self.norm1(src + self.dropout1(self.self_attn(qk, qk, src, pe, state, layer, attn_mask, tokens=src)))
+        src = self.norm1(src + self.dropout1(self.self_attn(qk, qk, src, pe, layer, attn_mask, tokens=src)))
         src2 = self.linear2(self.dropout(F.relu(self.linear1(src))))
         return self.norm2(src + self.dropout2(src2))
 
@@ -191,12 +191,12 @@ class DecoderLayer(nn.Module):
         self.dropout3 = nn.Dropout(dropout)
 
     def forward(self, tgt: torch.Tensor, memory: torch.Tensor, query_pos: torch.Tensor,
-                key_embed: Optional[torch.Tensor], pe: Optional[vispe.PositionalEncoding], state: Any, layer: int,
+                key_embed: Optional[torch.Tensor], pe: Optional[vispe.PreparedPE], layer: int,
                 attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         q = tgt + query_pos
         tgt = self.norm1(tgt + self.dropout1(self.self_attn(q, q, tgt)))
         key = memory if key_embed is None else memory + key_embed
-        tgt2 = self.multihead_attn(tgt + query_pos, key, memory, pe, state, layer, attn_mask, tokens=tgt)
+        tgt2 = self.multihead_attn(tgt + query_pos, key, memory, pe, layer, attn_mask, tokens=tgt)
         tgt = self.norm2(tgt + self.dropout2(tgt2))
         tgt2 = self.linear2(self.dropout(F.relu(self.linear1(tgt))))
         return self.norm3(tgt + self.dropout3(tgt2))
@@ -382,11 +382,10 @@ class DETR(nn.Module):
         """The encoder: memory ``(B, N, C)`` and the additive embedding it used (None if none)."""
         caps = self.pe.capabilities
         pos_embed = self.pe.embedding(pos).to(src.dtype) if caps.additive else None
-        pe = self.pe if caps.in_attention else None
-        state = self.pe.prepare(pos) if pe is not None else None
+        pe = self.pe.prepare(pos) if caps.in_attention else None
         attn_mask = self.attention_mask(pos)
         for i, layer in enumerate(self.transformer.encoder.layers):
-            src = layer(src, pos_embed, pe, state, i, attn_mask)
+            src = layer(src, pos_embed, pe, i, attn_mask)
             if caps.between_blocks:
                 src = self.pe.between_blocks(src, pos, i)
         return src, pos_embed
@@ -397,17 +396,16 @@ class DETR(nn.Module):
         query_pos = self.query_embed.weight.unsqueeze(0).expand(b, -1, -1)
         tgt = torch.zeros_like(query_pos)
         key_embed = pos_embed if self.cross_pe in ('keys', 'additive') else None
-        pe, state = None, None
+        pe = None
         if self.cross_hooks:  # object queries have no position: place them at the origin
-            pe = self.pe
             queries = vispe.points(torch.zeros(self.num_queries, pos.ndim, device=memory.device))
-            state = pe.prepare(queries, pos)
+            pe = self.pe.prepare(queries, pos)
         attn_mask = self.attention_mask(pos)
         offset = len(self.transformer.encoder.layers)
         norm = self.transformer.decoder.norm
         outputs = []
         for i, layer in enumerate(self.transformer.decoder.layers):
-            tgt = layer(tgt, memory, query_pos, key_embed, pe, state, offset + i, attn_mask)
+            tgt = layer(tgt, memory, query_pos, key_embed, pe, offset + i, attn_mask)
             outputs.append(norm(tgt))
         return torch.stack(outputs)
 

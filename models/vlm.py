@@ -113,10 +113,10 @@ class Resampler(nn.Module):
         pos_k = vispe.grid(*grid, device=x.device)
         key_in = x + self.pe.embedding(pos_k).to(x.dtype) if self.pe.capabilities.additive else x
         queries = self.norm_q(self.queries).expand(B, -1, -1)
-        state = self.pe.prepare(self.query_positions(grid, x.device), pos_k)
+        pe = self.pe.prepare(self.query_positions(grid, x.device), pos_k)
         # the normed queries are the attention's input tokens, for encodings that read them (PaPE)
         o = vispe.pe_attention(self._heads(self.q(queries)), self._heads(self.k(key_in)), self._heads(self.v(x)),
-                               self.pe, state, layer=0, x=queries)
+                               pe, layer=0, x=queries)
         return self.proj(o.transpose(1, 2).reshape(B, -1, self.num_heads * self.head_dim))
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ def random_qk(n: int, heads: int = 2, head_dim: int = 16, batch: int = 2):
 
 def rotated_logits(pe, pos, q, k, layer: int = 1) -> torch.Tensor:
     """``q^T k`` after ``pe``'s q/k hook at ``pos`` (self-attention), in layer ``layer``."""
-    q2, k2 = pe.qk(q, k, pe.prepare(pos), layer=layer)
+    q2, k2 = pe.prepare(pos).qk(q, k, layer=layer)
     return q2 @ k2.transpose(-2, -1)
 
 
@@ -92,7 +92,7 @@ def naflex_hooks(pe, x, q, k, v, pos):
         pad = torch.cat([torch.zeros(len(x), pos.num_prefix, dtype=torch.bool), pos.key_padding_mask], 1)
         mask = ~pad[:, None, None, :]
     y = pe.embed(x, pos)
-    o = vispe.pe_attention(q, k, v, pe, pe.prepare(pos), layer=0, x=y, attn_mask=mask)
+    o = vispe.pe_attention(q, k, v, pe.prepare(pos), layer=0, x=y, attn_mask=mask)
     return y, o, pe.between_blocks(y, pos, 0)
 
 

@@ -9,8 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import vispe
 from vispe.cameras import Cameras
-from vispe.encodings import PositionalEncoding
-from vispe.encodings.base import ATTENTION_HOOKS
+from vispe.contract import PositionalEncoding
+from vispe.contract import ATTENTION_HOOKS
 from vispe._dtypes import at_least_float32, compute_dtype
 from vispe.encodings.additive import AdditivePE, pad_prefix_rows
 
@@ -87,10 +87,10 @@ def test_at_least_float32_keeps_float64_and_widens_half_precision():
 def test_table_cache_is_bounded_and_least_recently_used():
     pe = vispe.create_pe('sincos', dim=DIM, grid_size=(2, 2))
     first = pe.embedding(vispe.grid(1, 1))
-    for n in range(2, 2 + pe.cache_size + 4):
+    for n in range(2, 2 + pe.tensor_cache.size + 4):
         pe.embedding(vispe.grid(n, n))
         pe.embedding(vispe.grid(1, 1))  # used again each time: never the least recently used
-        assert len(pe._tables) <= pe.cache_size
+        assert len(pe.tensor_cache) <= pe.tensor_cache.size
     assert pe.embedding(vispe.grid(1, 1)) is first
     assert pe.embedding(vispe.grid(2, 2)) is not pe.embedding(vispe.grid(3, 3))
     # the oldest other grid was evicted: a new tensor with the same values
@@ -118,18 +118,18 @@ def test_cache_is_cleared_by_train_clear_cache_and_moves():
     pe = vispe.create_pe('sincos', dim=DIM, grid_size=(2, 2))
     pos = vispe.grid(2, 2)
     pe.embedding(pos)
-    assert len(pe._tables) == 1
+    assert len(pe.tensor_cache) == 1
     pe.train()
-    assert not pe._tables
+    assert not pe.tensor_cache
     pe.embedding(pos)
     pe.clear_cache()
-    assert not pe._tables
+    assert not pe.tensor_cache
     pe.embedding(pos)
     pe.to(torch.float64)
-    assert not pe._tables
+    assert not pe.tensor_cache
     pe.embedding(pos)
     pe.set_grid_size((3, 3))
-    assert not pe._tables
+    assert not pe.tensor_cache
 
 
 def test_trainable_tables_are_not_cached_under_autograd():
@@ -137,7 +137,7 @@ def test_trainable_tables_are_not_cached_under_autograd():
     pos = vispe.grid(2, 3)
     for _ in range(2):  # a cached table would backward through a freed graph the second time
         pe.embedding(pos).sum().backward()
-    assert not pe._tables
+    assert not pe.tensor_cache
     assert pe.row_embed.weight.grad is not None
 
 
@@ -155,7 +155,7 @@ def test_nothing_is_cached_while_tracing():
     pe = vispe.create_pe('sincos', dim=DIM, grid_size=(2, 2))
     with FakeTensorMode():
         pe.embedding(vispe.grid(2, 2))
-    assert not pe._tables
+    assert not pe.tensor_cache
     assert not isinstance(pe.embedding(vispe.grid(2, 2)), torch._subclasses.FakeTensor)
 
 
@@ -166,7 +166,7 @@ def test_padded_detr_batches_are_not_cached():
     pos = vispe.grid(2, 3).replace(key_padding_mask=mask)
     with torch.no_grad():
         emb = pe.embedding(pos)
-    assert emb.shape == (2, 6, DIM) and not pe._tables
+    assert emb.shape == (2, 6, DIM) and not pe.tensor_cache
     torch.testing.assert_close(emb[0], pe.embedding(vispe.grid(2, 3))[0])
 
 

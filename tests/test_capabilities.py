@@ -58,13 +58,13 @@ def test_every_declared_hook_acts_and_every_other_hook_is_the_identity(name):
     q, k, v, x, pos = _inputs()
     with torch.no_grad():
         state = pe.prepare(pos)
-        q2, k2 = pe.qk(q, k, state, 0, x=x)
+        q2, k2 = state.qk(q, k, 0, x=x)
         qk_changed = q2.shape != q.shape or not (torch.equal(q2, q) and torch.equal(k2, k))
-        bias = pe.bias(q, k, state, 0)
-        v2 = pe.value(v, state, 0)
+        bias = state.bias(q, k, 0)
+        v2 = state.value(v, 0)
         value_changed = v2.shape != v.shape or not torch.equal(v2, v)
         o = torch.randn(B, H, q.shape[2], v2.shape[-1])
-        output_changed = not torch.equal(pe.output(o, state, 0), o)
+        output_changed = not torch.equal(state.output(o, 0), o)
         embed_changed = not torch.equal(pe.embed(x, pos), x)
         between_changed = not torch.equal(pe.between_blocks(x, pos, 0), x)
     assert qk_changed == ('qk' in caps.hooks)
@@ -84,7 +84,7 @@ def test_dispatch_follows_the_declared_capabilities(name, sdpa):
     caps = pe.capabilities
     q, k, v, x, pos = _inputs()
     with torch.no_grad():
-        pe_attention(q, k, v, pe, pe.prepare(pos), x=x)
+        pe_attention(q, k, v, pe.prepare(pos), x=x)
     if caps.flash_eligible:  # SDPA without a mask: flash / memory-efficient kernels stay eligible
         assert len(sdpa.masks) == 1 and sdpa.masks[0] is None
     if caps.needs_weights:  # the weights term needs the explicit path
@@ -107,10 +107,10 @@ def test_tokens_reach_only_the_encodings_that_need_them(name):
     pe.qk = recorder
     with torch.no_grad():
         state = pe.prepare(pos)
-        pe_attention(q, k, v, pe, state, x=x)
+        pe_attention(q, k, v, state, x=x)
         if pe.capabilities.needs_tokens:
             with pytest.raises(ValueError, match='x='):
-                pe_attention(q, k, v, pe, state)
+                pe_attention(q, k, v, state)
     if 'qk' not in pe.capabilities.hooks:
         assert seen == []  # no q/k map runs at all
     else:
@@ -136,8 +136,8 @@ def test_irpe_options_switch_its_hooks_off(on, mode, hooks, sdpa):
     q, k, v, _, pos = _inputs()
     with torch.no_grad():
         state = pe.prepare(pos)
-        assert (pe.bias(q, k, state, 0) is None) == (on == 'v')
-        pe_attention(q, k, v, pe, state)
+        assert (state.bias(q, k, 0) is None) == (on == 'v')
+        pe_attention(q, k, v, state)
     assert len(sdpa.masks) == (0 if 'v' in on else 1)  # SDPA with the bias unless the V term needs the weights
 
 
@@ -195,9 +195,9 @@ def test_pe_attention_module_follows_timm_use_fused_attn(fused, monkeypatch, sdp
     pe = _build('rope_axial')
     _, _, _, x, pos = _inputs()
     with torch.no_grad():
-        out = attn(x, pe, pe.prepare(pos))
+        out = attn(x, pe.prepare(pos))
         attn.fused_attn = not fused
-        other = attn(x, pe, pe.prepare(pos))
+        other = attn(x, pe.prepare(pos))
     assert len(sdpa.masks) == 1  # only the fused forward runs SDPA
     torch.testing.assert_close(out, other, rtol=1e-5, atol=1e-5)
 
@@ -259,11 +259,11 @@ def _hook_inputs(pe, name):
 
 def _run_hook(pe, hook, pos, q, k, v, x, state):
     """The hook's result, and what it would be as the identity (its input, or no term)."""
-    run = {'qk': lambda: (pe.qk(q, k, state, 0, x=x), (q, k)),
-           'bias': lambda: (pe.bias(q, k, state, 0), None),
-           'value': lambda: (pe.value(v, state, 0), v),
-           'output': lambda: (pe.output(v, state, 0), v),
-           'weights_value': lambda: (pe.weights_value(torch.softmax(q @ k.mT, -1), state, 0), None),
+    run = {'qk': lambda: (state.qk(q, k, 0, x=x), (q, k)),
+           'bias': lambda: (state.bias(q, k, 0), None),
+           'value': lambda: (state.value(v, 0), v),
+           'output': lambda: (state.output(v, 0), v),
+           'weights_value': lambda: (state.weights_value(torch.softmax(q @ k.mT, -1), 0), None),
            'embed': lambda: (pe.embed(x, pos), x),
            'between_blocks': lambda: (pe.between_blocks(x, pos, 0), x)}
     return run[hook]()

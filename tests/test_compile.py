@@ -92,7 +92,7 @@ class MultiViewHost(nn.Module):
         x = self.pe.embed(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1), pos)
         state = self.pe.prepare(pos)
         for norm, attn in zip(self.norms, self.layers):
-            x = x + attn(norm(x), pe=self.pe, state=state)
+            x = x + attn(norm(x), pe=state)
         return x
 
 

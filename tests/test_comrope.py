@@ -37,7 +37,7 @@ def test_comrope_rotation_is_orthogonal(name, block):
     pe = _pe(name, block=block)
     pos = vispe.grid(4, 4, num_prefix=1)
     q, _ = random_qk(17)
-    q2, k2 = pe.qk(q, q, pe.prepare(pos), layer=1)
+    q2, k2 = pe.prepare(pos).qk(q, q, layer=1)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
     torch.testing.assert_close((q2 * k2).sum(-1), (q * q).sum(-1))
 
@@ -87,8 +87,8 @@ def test_comrope_block2_equals_rope_mixed_with_mapped_frequencies(name):
     pos = vispe.points(coords, num_prefix=1)
     q, k = random_qk(8)
     for layer in range(2):
-        qc, kc = pe.qk(q, k, pe.prepare(pos), layer=layer)
-        qr, kr = rope.qk(q, k, rope.prepare(pos), layer=layer)
+        qc, kc = pe.prepare(pos).qk(q, k, layer=layer)
+        qr, kr = rope.prepare(pos).qk(q, k, layer=layer)
         torch.testing.assert_close(qc, qr, rtol=0, atol=1e-12)
         torch.testing.assert_close(kc, kr, rtol=0, atol=1e-12)
 
@@ -107,11 +107,11 @@ def test_comrope_positions_are_patch_centres_and_class_token_is_grid_centre(name
     torch.testing.assert_close(coords[1:], torch.cartesian_prod(rows / 2, cols))
     # the class token is rotated like a token at the centre; prefix='identity' leaves it alone
     q, k = random_qk(9)
-    q2, _ = pe.qk(q, k, pe.prepare(vispe.grid(2, 4, num_prefix=1)), layer=0)
-    q3, _ = pe.qk(q[:, :, :1], k[:, :, :1], pe.prepare(vispe.points(torch.tensor([[0.5, 0.5]]).double())), 0)
+    q2, _ = pe.prepare(vispe.grid(2, 4, num_prefix=1)).qk(q, k, layer=0)
+    q3, _ = pe.prepare(vispe.points(torch.tensor([[0.5, 0.5]]).double())).qk(q[:, :, :1], k[:, :, :1], 0)
     torch.testing.assert_close(q2[:, :, :1], q3)
     ident = _pe(name, prefix='identity')
-    q4, _ = ident.qk(q, k, ident.prepare(vispe.grid(2, 4, num_prefix=1)), layer=0)
+    q4, _ = ident.prepare(vispe.grid(2, 4, num_prefix=1)).qk(q, k, layer=0)
     torch.testing.assert_close(q4[:, :, 0], q[:, :, 0], rtol=0, atol=0)
 
 
@@ -123,13 +123,13 @@ def test_comrope_jitter_only_in_training_and_per_sample(name, block):
     q, k = random_qk(17, batch=3)
     pe.eval()
     with torch.no_grad():
-        e1, e2 = pe.qk(q, k, pe.prepare(pos), 0), pe.qk(q, k, pe.prepare(pos), 0)
+        e1, e2 = pe.prepare(pos).qk(q, k, 0), pe.prepare(pos).qk(q, k, 0)
     torch.testing.assert_close(e1[0], e2[0], rtol=0, atol=0)
     pe.train()
-    t1, t2 = pe.qk(q, k, pe.prepare(pos), 0), pe.qk(q, k, pe.prepare(pos), 0)
+    t1, t2 = pe.prepare(pos).qk(q, k, 0), pe.prepare(pos).qk(q, k, 0)
     assert (t1[0] - t2[0]).abs().max() > 1e-6  # fresh jitter every forward
     same = q[:1].expand_as(q)
-    per_sample, _ = pe.qk(same, same, pe.prepare(pos), 0)
+    per_sample, _ = pe.prepare(pos).qk(same, same, 0)
     assert (per_sample[0] - per_sample[1])[:, 1:].abs().max() > 1e-6  # each sample its own positions
     torch.testing.assert_close(per_sample[0, :, 0], per_sample[1, :, 0])  # class token stays at the centre
     torch.testing.assert_close(t1[0].norm(dim=-1), q.norm(dim=-1))
@@ -173,7 +173,7 @@ def test_comrope_on_video_grids_and_point_clouds(name):
     pe = _pe(name, axes=3, block=4)
     q, k = random_qk(9)
     xyz = torch.randn(2, 8, 3, dtype=torch.float64)  # per-sample point clouds (e.g. RGB-D tokens)
-    q2, k2 = pe.qk(q, k, pe.prepare(vispe.points(xyz, num_prefix=1)), 0)
+    q2, k2 = pe.prepare(vispe.points(xyz, num_prefix=1)).qk(q, k, 0)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
 
 
@@ -288,10 +288,11 @@ def test_comrope_ape_and_rotations_share_the_jittered_positions():
     pe.train()
     pos = vispe.grid(4, 4, num_prefix=1)
     x = torch.zeros(3, 17, 32, dtype=torch.float64)
-    emb = pe.embed(x, pos)[..., 0]
+    prepared = pe.prepare(pos)  # the forward's jitter travels in the prepared encoding
+    emb = prepared.embed(x)[..., 0]
     q = torch.zeros(3, 2, 17, 16, dtype=torch.float64)
     q[..., 0::2] = 1.0
-    rotated, _ = pe.qk(q, q, pe.prepare(pos), layer=0)
+    rotated, _ = prepared.qk(q, q, layer=0)
     p = torch.atan2(rotated[:, 0, :, 1::2], rotated[:, 0, :, 0::2])[..., :2]  # (B, N, axes)
     assert (p[:, 1:] - p[:1, 1:]).abs().max() > 1e-3  # jittered, per sample
     torch.testing.assert_close(emb, 10 * 3 * p[..., 0] + 3 * p[..., 1])

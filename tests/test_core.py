@@ -97,8 +97,8 @@ def test_composition_equals_applying_both():
     x = torch.randn(2, 17, 32)
     torch.testing.assert_close(both.embed(x, pos), learned.embed(mixed.embed(x, pos), pos))
     q, k = torch.randn(2, 2, 17, 16), torch.randn(2, 2, 17, 16)
-    qa, ka = both.qk(q, k, both.prepare(pos), 1)
-    qb, kb = learned.qk(*mixed.qk(q, k, mixed.prepare(pos), 1), learned.prepare(pos), 1)
+    qa, ka = both.prepare(pos).qk(q, k, 1)
+    qb, kb = learned.prepare(pos).qk(*mixed.prepare(pos).qk(q, k, 1), 1)
     torch.testing.assert_close(qa, qb)
     torch.testing.assert_close(ka, kb)
     assert both.hooks == {'embed', 'qk'}
@@ -109,18 +109,18 @@ def test_eval_cache_equals_recomputation_and_tracks_parameters():
     pe = vispe.create_pe('rope_mixed', dim=32, num_heads=2, depth=2, grid_size=(4, 4)).eval()
     pos = vispe.grid(4, 4)
     with torch.no_grad():
-        s1 = pe.prepare(pos)
-        s2 = pe.prepare(vispe.grid(4, 4))
+        s1 = pe.prepare(pos).state
+        s2 = pe.prepare(vispe.grid(4, 4)).state
         assert s2 is s1  # cached
         fresh = pe._prepare(pos, None)
         torch.testing.assert_close(s1.q, fresh.q)  # the rotations of the queries
         pe.freqs.mul_(2)  # in-place parameter change invalidates the cache
-        s3 = pe.prepare(pos)
+        s3 = pe.prepare(pos).state
         assert s3 is not s1
         torch.testing.assert_close(s3.q, pe._prepare(pos, None).q)
-        assert pe.prepare(vispe.grid(5, 4)) is not s3
+        assert pe.prepare(vispe.grid(5, 4)).state is not s3
     pe.train()
-    assert pe.prepare(pos) is not pe.prepare(pos)  # no cache in training
+    assert pe.prepare(pos).state is not pe.prepare(pos).state  # no cache in training
 
 
 # ------------------------------------------------------------------ attention dispatch
@@ -151,11 +151,11 @@ def test_pe_attention_says_how_many_tokens_the_positions_describe():
     pe = vispe.create_pe('rope_axial', dim=32, num_heads=2, grid_size=(4, 4))
     pos = vispe.grid(4, 4)  # 16 tokens, but q and k carry a class token too
     q = torch.randn(1, 2, 17, 16)
-    match = r'positions of q describe 16 tokens \(0 prefix \+ 16 positioned\) but q has 17'
+    match = r'prepared for positions of 16 tokens \(0 prefix \+ 16 positioned\) but q has 17'
     with pytest.raises(ValueError, match=match):
-        pe_attention(q, q, q, pe, pe.prepare(pos), pos_q=pos)
+        pe_attention(q, q, q, pe.prepare(pos))
     pos = vispe.grid(4, 4, num_prefix=1)
-    assert pe_attention(q, q, q, pe, pe.prepare(pos), pos_q=pos).shape == q.shape
+    assert pe_attention(q, q, q, pe.prepare(pos)).shape == q.shape
 
 
 def test_create_pe_takes_factory_kwargs():
@@ -173,4 +173,4 @@ def test_encodings_run_on_meta_tensors():
         pos = vispe.grid(4, 4, num_prefix=1, device='meta')
         q = torch.randn(2, 2, 17, 16, device='meta')
         x = pe.embed(torch.randn(2, 17, 32, device='meta'), pos)
-        assert pe_attention(q, q, q, pe, pe.prepare(pos), x=x, pos_q=pos).shape == q.shape, spec
+        assert pe_attention(q, q, q, pe.prepare(pos), x=x).shape == q.shape, spec

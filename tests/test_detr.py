@@ -310,7 +310,7 @@ def test_a_key_padding_mask_over_the_whole_sequence_drops_its_prefix_columns(spe
     q, k = torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
     with torch.no_grad():
         a, b = pe.prepare(positioned), pe.prepare(whole)
-        torch.testing.assert_close(vispe.pe_attention(q, k, k, pe, a, x=x), vispe.pe_attention(q, k, k, pe, b, x=x))
+        torch.testing.assert_close(vispe.pe_attention(q, k, k, a, x=x), vispe.pe_attention(q, k, k, b, x=x))
         torch.testing.assert_close(pe.embed(x, positioned), pe.embed(x, whole))
 
 

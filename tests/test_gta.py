@@ -43,7 +43,7 @@ def test_gta_without_value_transform_equals_hand_written_rope():
     pos = vispe.grid(3, 4, num_prefix=1, dtype=DT)
     q, k, v = qkv(pos.num_tokens)
     pe = gta('gta:value_transform=false')
-    out = pe_attention(q, k, v, pe, pe.prepare(pos))
+    out = pe_attention(q, k, v, pe.prepare(pos))
     c = pos.coords
     expected = explicit_attention(hand_gta_rotate(q, c, 1), hand_gta_rotate(k, c, 1), v)
     torch.testing.assert_close(out, expected)
@@ -55,7 +55,7 @@ def test_gta_equals_hand_written_gta_with_value_and_output_maps():
     pe = gta()
     c = pos.coords
     o = explicit_attention(hand_gta_rotate(q, c, 1), hand_gta_rotate(k, c, 1), hand_gta_rotate(v, c, 1))
-    torch.testing.assert_close(pe_attention(q, k, v, pe, pe.prepare(pos)), hand_gta_rotate(o, c, 1, inverse=True))
+    torch.testing.assert_close(pe_attention(q, k, v, pe.prepare(pos)), hand_gta_rotate(o, c, 1, inverse=True))
 
 
 def test_gta_qk_equals_vispe_rope_axial_up_to_a_channel_permutation():
@@ -66,11 +66,11 @@ def test_gta_qk_equals_vispe_rope_axial_up_to_a_channel_permutation():
     q, k, _ = qkv(pos.num_tokens, hd)
     g = gta('gta:value_transform=false', hd)
     r = vispe.create_pe('rope_axial:theta=10000', dim=2 * hd, num_heads=2, grid_size=(4, 5)).double()
-    gq, gk = g.qk(q, k, g.prepare(pos), 0)
+    gq, gk = g.prepare(pos).qk(q, k, 0)
     pair = [F + f if a == 0 else f for f in range(F) for a in range(2)]  # GTA pair -> rope_axial pair
     perm = torch.tensor([2 * p + i for p in pair for i in range(2)])
     inv = torch.argsort(perm)
-    rq, rk = r.qk(q[..., inv], k[..., inv], r.prepare(pos), 0)
+    rq, rk = r.prepare(pos).qk(q[..., inv], k[..., inv], 0)
     torch.testing.assert_close(gq @ gk.transpose(-1, -2), rq.float().double() @ rk.float().double().transpose(-1, -2),
                                atol=1e-4, rtol=1e-4)  # rope_axial's table is float32
 
@@ -84,9 +84,9 @@ def test_gta_logits_and_outputs_are_invariant_to_a_translation_of_the_grid(value
     outs, logits = [], []
     for pos in (base, moved):
         state = pe.prepare(pos)
-        qq, kk = pe.qk(q, k, state, 0)
+        qq, kk = state.qk(q, k, 0)
         logits.append(qq @ kk.transpose(-1, -2))
-        outs.append(pe_attention(q, k, v, pe, state))
+        outs.append(pe_attention(q, k, v, state))
     torch.testing.assert_close(logits[0], logits[1])
     torch.testing.assert_close(outs[0], outs[1])
     assert not torch.allclose(outs[0], pe_attention(q, k, v))  # positions do matter
@@ -97,7 +97,7 @@ def test_gta_output_map_inverts_the_value_map():
     pos = vispe.grid(3, 3, num_prefix=2, dtype=DT)
     state = pe.prepare(pos)
     _, _, v = qkv(pos.num_tokens, seed=3)
-    torch.testing.assert_close(pe.output(pe.value(v, state, 0), state, 0), v)
+    torch.testing.assert_close(state.output(state.value(v, 0), 0), v)
 
 
 def test_gta_vit_has_no_parameters_and_trains():
@@ -128,7 +128,7 @@ def test_gta_multiview_is_invariant_to_a_global_rigid_transform_of_the_cameras(b
     G = random_poses(1, g, scale=20.0)[0]
     q, k, v = qkv(cams.num_views * 6, seed=4)
     for layer in (0, 1):
-        outs = [pe_attention(q, k, v, pe, pe.prepare(vispe.positions.multiview(c, (2, 3), dtype=DT)), layer)
+        outs = [pe_attention(q, k, v, pe.prepare(vispe.positions.multiview(c, (2, 3), dtype=DT)), layer)
                 for c in (cams, cams.transform(G))]
         torch.testing.assert_close(outs[0], outs[1])
 
@@ -141,8 +141,8 @@ def test_gta_multiview_learns_its_translation_scale_and_inverts_its_value_map():
     pos = vispe.positions.multiview(cams, (2, 3), num_prefix=1, dtype=DT)
     q, k, v = qkv(pos.num_tokens, hd=24, seed=5)
     state = pe.prepare(pos)
-    torch.testing.assert_close(pe.output(pe.value(v, state, 1), state, 1), v)
-    pe_attention(q, k, v, pe, state, 1).square().sum().backward()
+    torch.testing.assert_close(state.output(state.value(v, 1), 1), v)
+    pe_attention(q, k, v, state, 1).square().sum().backward()
     assert pe.translation_scale.grad[1] != 0 and pe.translation_scale.grad[0] == 0
     fixed = vispe.create_pe('gta_multiview:learn_translation_scale=false', dim=48, num_heads=2)
     assert not list(fixed.parameters())

@@ -116,10 +116,10 @@ def test_irpe_buckets_depend_only_on_offsets():
 def test_irpe_bucket_ids_are_cached_per_grid():
     pe = create_pe('irpe:on=qkv', dim=32, num_heads=2, depth=1, grid_size=(4, 4), num_prefix_tokens=1)
     pe.train()
-    s1 = pe.prepare(vispe.grid(4, 4, num_prefix=1))
-    s2 = pe.prepare(vispe.grid(4, 4, num_prefix=1))
+    s1 = pe.prepare(vispe.grid(4, 4, num_prefix=1)).state
+    s2 = pe.prepare(vispe.grid(4, 4, num_prefix=1)).state
     assert s1.ids is s2.ids
-    assert pe.prepare(vispe.grid(4, 5, num_prefix=1)).ids.shape == (1, 21, 21)
+    assert pe.prepare(vispe.grid(4, 5, num_prefix=1)).state.ids.shape == (1, 21, 21)
 
 
 # ---------------------------------------------------------------------- terms vs brute force
@@ -143,7 +143,7 @@ def test_irpe_logit_terms_equal_brute_force_per_pair(method, mode, shared):
     n = npre + h * w
     q, k = torch.randn(2, heads, n, hd), torch.randn(2, heads, n, hd)
     layer = 1
-    got = pe.bias(q, k, pe.prepare(pos), layer).expand(2, heads, n, n)
+    got = pe.prepare(pos).bias(q, k, layer).expand(2, heads, n, n)
     toks = token_positions(h, w, npre)
     size = pe.num_buckets // pe.num_tables
     scale = hd ** -0.5
@@ -178,7 +178,7 @@ def test_irpe_value_term_equals_brute_force(method, batched):
     state = pe.prepare(pos)
     n = npre + h * w
     attn = torch.randn(2, heads, n, n).softmax(-1)
-    got = pe.weights_value(attn, state, 0)
+    got = state.weights_value(attn, 0)
     toks = token_positions(h, w, npre)
     size = pe.num_buckets // pe.num_tables
     expected = torch.zeros(2, heads, n, hd)
@@ -198,8 +198,8 @@ def test_irpe_sdpa_with_mask_equals_explicit_path(spec):
     assert 'weights_value' not in pe.hooks  # K / Q terms keep SDPA
     state = pe.prepare(vispe.grid(3, 5, num_prefix=1))
     q, k, v = torch.randn(3, 2, heads, 16, hd).unbind(0)
-    fast = pe_attention(q, k, v, pe, state, 0)
-    slow = pe_attention(q, k, v, pe, state, 0, force_explicit=True)
+    fast = pe_attention(q, k, v, state, 0)
+    slow = pe_attention(q, k, v, state, 0, force_explicit=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
@@ -212,7 +212,7 @@ def test_irpe_qkv_attention_equals_brute_force_attention():
     state = pe.prepare(vispe.grid(h, w, num_prefix=1))
     n = 1 + h * w
     q, k, v = torch.randn(3, 1, heads, n, hd).unbind(0)
-    got = pe_attention(q, k, v, pe, state, 0)
+    got = pe_attention(q, k, v, state, 0)
     scale = hd ** -0.5
     toks = token_positions(h, w, 1)
     size = pe.num_buckets // 2
@@ -255,7 +255,7 @@ def test_irpe_contextual_k_qk_never_materialises_an_n_n_hd_tensor(on):
     k = torch.randn(1, heads, n, hd, requires_grad=True)
     with _LargestTensor() as probe:
         state = pe.prepare(vispe.grid(g, g, num_prefix=1))
-        pe_attention(q, k, k, pe, state, 0).sum().backward()
+        pe_attention(q, k, k, state, 0).sum().backward()
     assert probe.largest <= n * n * heads * 2  # the logits-sized mask, nothing like n * n * hd
     assert probe.largest < n * n * hd // 16
 
@@ -315,7 +315,7 @@ class _Attention(torch.nn.Module):
         self.pe, self.pos, self.layer = pe, pos, layer
 
     def forward(self, q, k, v):
-        return pe_attention(q, k, v, self.pe, self.pe.prepare(self.pos), self.layer)
+        return pe_attention(q, k, v, self.pe.prepare(self.pos), self.layer)
 
 
 @pytest.mark.parametrize('on', ['k', 'q', 'v', 'qk', 'kv', 'qv', 'qkv'])

@@ -182,7 +182,7 @@ def test_liere_rotation_is_orthogonal(gd, axes):
     pe = _pe(axes, gd=gd)
     pos = vispe.grid(*(3,) * axes, num_prefix=1)
     q, _ = random_qk(pos.num_tokens)
-    q2, k2 = pe.qk(q, q, pe.prepare(pos), layer=1)
+    q2, k2 = pe.prepare(pos).qk(q, q, layer=1)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
     torch.testing.assert_close((q2 * k2).sum(-1), (q * q).sum(-1))
 
@@ -222,8 +222,8 @@ def test_liere_gd2_equals_rope_mixed_with_mapped_frequencies():
     q, k = random_qk(8)
     pos = vispe.points(coords, num_prefix=1)
     for layer in range(2):
-        ql, kl = liere.qk(q, k, liere.prepare(pos), layer=layer)
-        qr, kr = rope.qk(q, k, rope.prepare(pos), layer=layer)
+        ql, kl = liere.prepare(pos).qk(q, k, layer=layer)
+        qr, kr = rope.prepare(pos).qk(q, k, layer=layer)
         torch.testing.assert_close(ql, qr, rtol=0, atol=1e-12)
         torch.testing.assert_close(kl, kr, rtol=0, atol=1e-12)
 
@@ -243,7 +243,7 @@ def test_liere_positions_are_linspace_to_the_grid_ratio():
 def test_liere_class_token_is_not_rotated():
     pe = _pe()
     q, k = random_qk(17)
-    q2, k2 = pe.qk(q, k, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
+    q2, k2 = pe.prepare(vispe.grid(4, 4, num_prefix=1)).qk(q, k, layer=0)
     torch.testing.assert_close(q2[:, :, 0], q[:, :, 0], rtol=0, atol=0)
     assert (q2[:, :, 1:] - q[:, :, 1:]).abs().max() > 1e-3
 
@@ -251,7 +251,7 @@ def test_liere_class_token_is_not_rotated():
 def test_liere_channels_beyond_whole_blocks_pass_through():
     pe = _pe(gd=3)  # head dim 16 = 5 blocks of 3 + 1 channel
     q, k = random_qk(17)
-    q2, _ = pe.qk(q, k, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
+    q2, _ = pe.prepare(vispe.grid(4, 4, num_prefix=1)).qk(q, k, layer=0)
     torch.testing.assert_close(q2[..., 15], q[..., 15], rtol=0, atol=0)
 
 
@@ -262,13 +262,13 @@ def test_liere_layers_and_heads_use_their_own_generators():
     pos = vispe.grid(4, 4, num_prefix=1)
     q, k = random_qk(17)
     state = pe.prepare(pos)
-    q0, _ = pe.qk(q, k, state, layer=0)
-    q1, _ = pe.qk(q, k, state, layer=1)
+    q0, _ = state.qk(q, k, layer=0)
+    q1, _ = state.qk(q, k, layer=1)
     assert (q0 - q1).abs().max() > 1e-3
     shared = _pe(per_layer=False, per_head=False)
     assert shared.generators.shape == (2, 1, 1, 2, 28)
-    q0, _ = shared.qk(q, k, shared.prepare(pos), layer=0)
-    q1, _ = shared.qk(q, k, shared.prepare(pos), layer=1)
+    q0, _ = shared.prepare(pos).qk(q, k, layer=0)
+    q1, _ = shared.prepare(pos).qk(q, k, layer=1)
     torch.testing.assert_close(q0, q1, rtol=0, atol=0)
     torch.testing.assert_close(q0[:, 0].norm(dim=-1), q[:, 0].norm(dim=-1))
 
@@ -302,7 +302,7 @@ def test_liere_video_and_point_positions():
     assert model(torch.randn(1, 3, 4, 32, 32)).shape == (1, TINY['num_classes'])
     pe = _pe(axes=3)
     q, k = random_qk(6)
-    q2, _ = pe.qk(q, k, pe.prepare(vispe.points(torch.rand(2, 5, 3, dtype=torch.float64), num_prefix=1)), layer=0)
+    q2, _ = pe.prepare(vispe.points(torch.rand(2, 5, 3, dtype=torch.float64), num_prefix=1)).qk(q, k, layer=0)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
 
 
@@ -338,9 +338,9 @@ def test_cross_attention_rotates_queries_and_keys_by_their_own_positions(name):
     pos_q = vispe.points(torch.rand(5, 2, dtype=torch.float64), num_prefix=1)
     pos_k = vispe.points(torch.rand(7, 2, dtype=torch.float64) * 3, num_prefix=1)
     q, k = torch.randn(2, 2, 6, 16, dtype=torch.float64), torch.randn(2, 2, 8, 16, dtype=torch.float64)
-    q2, k2 = pe.qk(q, k, pe.prepare(pos_q, pos_k), layer=1)
-    q_self, _ = pe.qk(q, q, pe.prepare(pos_q), layer=1)  # self-attention rotates q and k in one call
-    _, k_self = pe.qk(k, k, pe.prepare(pos_k), layer=1)
+    q2, k2 = pe.prepare(pos_q, pos_k).qk(q, k, layer=1)
+    q_self, _ = pe.prepare(pos_q).qk(q, q, layer=1)  # self-attention rotates q and k in one call
+    _, k_self = pe.prepare(pos_k).qk(k, k, layer=1)
     torch.testing.assert_close(q2, q_self)
     torch.testing.assert_close(k2, k_self)
 
@@ -353,5 +353,5 @@ def test_rotations_are_built_in_full_precision_under_autocast(name):
     with torch.autocast('cpu', dtype=torch.bfloat16), torch.no_grad():
         state = pe.prepare(pos)
     q = torch.randn(2, 2, 17, 16)
-    q2, _ = pe.qk(q, q, state, layer=1)
+    q2, _ = state.qk(q, q, layer=1)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1), rtol=1e-5, atol=1e-5)

@@ -116,7 +116,7 @@ def test_learned_with_more_table_prefix_rows_than_prefix_tokens():
 
 def _hooks(pe, x, q, k, v, pos):
     y = pe.embed(x, pos)
-    o = vispe.pe_attention(q, k, v, pe, pe.prepare(pos), layer=0, x=y)
+    o = vispe.pe_attention(q, k, v, pe.prepare(pos), layer=0, x=y)
     return y, o, pe.between_blocks(y, pos, 0)
 
 

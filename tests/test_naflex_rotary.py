@@ -73,9 +73,9 @@ def _rotated(pe, pos, tensors):
     """Every rotation hook of ``pe`` (q/k, and v / output where it has them) at ``pos``."""
     q, k, v, o = tensors
     state = pe.prepare(pos)
-    out = list(pe.qk(q, k, state, layer=1))
+    out = list(state.qk(q, k, layer=1))
     if 'value' in pe.hooks:
-        out += [pe.value(v, state, 1), pe.output(o, state, 1)]
+        out += [state.value(v, 1), state.output(o, 1)]
     return out, state
 
 
@@ -118,7 +118,7 @@ def test_per_sample_tables_only_for_different_grids():
     pe = make('rope_mixed', {})
     nf = naflex_grid([(3, 5), (2, 6)], num_tokens=20, num_prefix=1)
     with torch.no_grad():
-        table = pe.prepare(nf).q[0]
+        table = pe.prepare(nf).state.q[0]
     assert table.shape == (2, 2, 21, 8)
     assert torch.equal(table[0, :, 16:], torch.ones_like(table[0, :, 16:]))
     assert torch.equal(table[1, :, 13:], torch.ones_like(table[1, :, 13:]))
@@ -137,7 +137,7 @@ def test_comrope_jitter_stays_per_sample(name):
         real = coords[b, 1:1 + h * w] * torch.tensor([h, w])  # (i + 0.5 + jitter) in patches
         assert (real - nf.coords[b, :h * w] - 0.5).abs().max() <= 0.5
         assert torch.allclose(coords[b, 0], torch.tensor([0.5, 0.5]))  # the class token at the centre
-    state = pe.layer_state(pe.prepare(nf), 3)
+    state = pe.layer_state(pe.prepare(nf).state, 3)
     assert state.q[0].shape[:3] == (3, 2, 16)
 
 
@@ -147,8 +147,8 @@ def test_liere_training_matches_eval():
     pe = make('liere', {'positions': 'index'})
     nf = naflex_grid([(3, 5), (6, 7), (1, 9)], num_prefix=1, train_grid=(4, 4))
     with torch.no_grad():
-        exact = pe.prepare(nf).q
-    trained = pe.train().prepare(nf).q
+        exact = pe.prepare(nf).state.q
+    trained = pe.train().prepare(nf).state.q
     for b, shape in enumerate(nf.grids):
         n = 1 + math.prod(shape)
         for layer in range(2):

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
 import pytest
 
 import vispe
-from vispe.encodings.base import PEContext
+from vispe.contract import PEContext, PositionalEncoding
 from vispe.options import coerce, format_value, signature_options
 
 CTX = dict(dim=32, num_heads=2, depth=2, grid_size=(4, 4))
@@ -101,7 +101,7 @@ def test_a_value_that_would_read_back_otherwise_is_refused():
 
 # ------------------------------------------------------------------ both construction paths
 def _hints(name: str) -> Dict[str, Any]:
-    return signature_options(vispe.pe_info(name)['cls'].__init__)[1]
+    return signature_options(vispe.pe_info(name)['cls'])[1]
 
 
 def _literal_options():
@@ -230,3 +230,34 @@ def test_every_readme_spec_parses_and_round_trips():
     for spec in specs:
         typed = vispe.parse_pe_spec(spec, typed=True)
         assert vispe.parse_pe_spec(vispe.format_pe_spec(spec), typed=True) == typed, spec
+
+
+def test_paired_encodings_share_one_signature():
+    # ComRoPE-AP / -LD and PaPE / PaPE-RI declare their shared options once, in the parent
+    assert vispe.pe_info('comrope_ap')['options'] == vispe.pe_info('comrope_ld')['options']
+    pape, pape_ri = vispe.pe_info('pape')['options'], vispe.pe_info('pape_ri')['options']
+    assert {k: v for k, v in pape.items() if k != 'parabolas'} == pape_ri
+    with pytest.raises(ValueError, match="unknown option 'parabolas' for encoding 'pape_ri'"):
+        vispe.create_pe('pape_ri:parabolas=3', dim=32, num_heads=2)
+    with pytest.raises(ValueError, match="option 'bias_scale' of encoding 'pape'"):
+        vispe.create_pe({'name': 'pape', 'bias_scale': 'nope'}, dim=32, num_heads=2)
+
+
+def test_a_constructor_ending_in_options_takes_its_parents_options():
+    class Parent(PositionalEncoding):
+        def __init__(self, ctx: PEContext, *, scale: float = 1.0) -> None:
+            super().__init__(ctx)
+            self.scale = scale
+
+    class Child(Parent):
+        def __init__(self, ctx: PEContext, *, width: int = 2, **options: Any) -> None:
+            super().__init__(ctx, **options)
+            self.width = width
+
+    params, hints, var_kw = signature_options(Child)
+    assert list(params)[2:] == ['width', 'scale'] and not var_kw
+    assert hints['scale'] is float and hints['width'] is int
+    child = Child(PEContext(dim=8), width=3, scale=2.0)
+    assert (child.width, child.scale) == (3, 2.0)
+    with pytest.raises(ValueError, match="unknown option 'scael'.*Did you mean 'scale'"):
+        Child(PEContext(dim=8), scael=2.0)

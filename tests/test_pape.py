@@ -51,7 +51,7 @@ def _pape_ri_bias(pe, x, r_q, r_k, layer):
 
 
 def _logits_with_augmentation(pe, pos, x, q, k, layer, pos_k=None):
-    qa, ka = pe.qk(q, k, pe.prepare(pos, pos_k), layer, x=x)
+    qa, ka = pe.prepare(pos, pos_k).qk(q, k, layer, x=x)
     assert qa.shape[-1] == ka.shape[-1] and qa.shape[-1] % 8 == 0
     return (qa @ ka.transpose(-1, -2)) * HD ** -0.5
 
@@ -148,7 +148,7 @@ def test_pape_attention_output_equals_softmax_attention_with_the_explicit_bias(n
     logits = (q @ k.transpose(-1, -2)) * HD ** -0.5 + ref(pe, x, r, r, 1)
     expected = logits.softmax(-1) @ v
     for explicit in (False, True):
-        got = pe_attention(q, k, v, pe, state, 1, x=x, scale=HD ** -0.5, force_explicit=explicit)
+        got = pe_attention(q, k, v, state, 1, x=x, scale=HD ** -0.5, force_explicit=explicit)
         assert got.shape == v.shape
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
 
@@ -168,7 +168,7 @@ def test_pape_needs_the_attention_input_tokens():
     pe = _make('pape')
     q = torch.randn(1, H, 13, HD, dtype=torch.float64)
     with pytest.raises(ValueError, match='needs the attention input tokens'):
-        pe.qk(q, q, pe.prepare(vispe.grid(3, 4, num_prefix=1, dtype=torch.float64)), 0)
+        pe.prepare(vispe.grid(3, 4, num_prefix=1, dtype=torch.float64)).qk(q, q, 0)
 
 
 @pytest.mark.parametrize('spec', ['pape', 'pape_ri'])
@@ -198,7 +198,7 @@ def test_pape_gradients_match_finite_differences(name):
             self.pe = pe
 
         def forward(self, x, q, k, v):
-            return pe_attention(q, k, v, self.pe, self.pe.prepare(pos), 1, x=x, scale=HD ** -0.5)
+            return pe_attention(q, k, v, self.pe.prepare(pos), 1, x=x, scale=HD ** -0.5)
 
     host = Host()
 
@@ -220,7 +220,7 @@ def test_pape_video_coordinates_follow_the_released_t_row_col_order():
     with torch.no_grad():
         pe.pos_proj.zero_()
         pe.pos_proj[..., 0] = 1.0
-    state = pe.prepare(vispe.grid(2, 3, 4, num_prefix=1, dtype=torch.float64))
+    state = pe.prepare(vispe.grid(2, 3, 4, num_prefix=1, dtype=torch.float64)).state
     u = state.u_q[0, 0, :, 0]  # layer 0, head 0, every token, the one parabola
     centre = torch.tensor([1.5, 2.0, 2.5], dtype=torch.float64)  # the mean key grid position, subtracted
     torch.testing.assert_close(u, torch.tensor(hand, dtype=torch.float64)[:, 0] - centre[0])
@@ -233,7 +233,7 @@ def test_pape_video_coordinates_follow_the_released_t_row_col_order():
     ('start', math.inf), ('start', math.nan), ('grid_mode', 'linspace'), ('bias_scale', 'none'),
 ])
 def test_pape_rejects_non_finite_and_non_positive_options(option, value):
-    from vispe.encodings.base import PEContext
+    from vispe.contract import PEContext
     from vispe.encodings.pape import PaPE, PaPERI
     for cls in (PaPE, PaPERI):
         if option == 'parabolas' and cls is PaPERI:

@@ -76,7 +76,7 @@ def test_prope_equals_the_dense_reference_of_the_paper():
     pos = vispe.positions.multiview(cams, GRID, num_prefix=1, dtype=DT)
     q, k, v = qkv(pos.num_tokens)
     pe = prope()
-    torch.testing.assert_close(pe_attention(q, k, v, pe, pe.prepare(pos)), dense_reference(q, k, v, cams, 1))
+    torch.testing.assert_close(pe_attention(q, k, v, pe.prepare(pos)), dense_reference(q, k, v, cams, 1))
 
 
 @pytest.mark.parametrize('batch', [0, 2])
@@ -86,14 +86,14 @@ def test_prope_is_invariant_to_a_global_rigid_transform_of_the_cameras(batch):
     G = random_poses(1, g, scale=20.0)[0]
     q, k, v = qkv(4 * 6, seed=1)
     pe = prope()
-    outs = [pe_attention(q, k, v, pe, pe.prepare(vispe.positions.multiview(c, GRID, dtype=DT)))
+    outs = [pe_attention(q, k, v, pe.prepare(vispe.positions.multiview(c, GRID, dtype=DT)))
             for c in (cams, cams.transform(G))]
     torch.testing.assert_close(outs[0], outs[1])
     # cameras do matter: moving one camera relative to the others changes the output
     c2w = cams.cam_to_world.clone()
     c2w[..., 0, :3, 3] += 1.0
     moved = Cameras(cams.K, cam_to_world=c2w, image_size=cams.image_size)
-    other = pe_attention(q, k, v, pe, pe.prepare(vispe.positions.multiview(moved, GRID, dtype=DT)))
+    other = pe_attention(q, k, v, pe.prepare(vispe.positions.multiview(moved, GRID, dtype=DT)))
     assert not torch.allclose(outs[0], other)
 
 
@@ -103,8 +103,8 @@ def test_prope_is_invariant_to_a_common_shift_of_the_patch_indices():
     shifted = pos.replace(coords=pos.coords + torch.tensor([3.0, -5.0], dtype=DT))
     q, k, v = qkv(pos.num_tokens, seed=2)
     pe = prope()
-    torch.testing.assert_close(pe_attention(q, k, v, pe, pe.prepare(pos)),
-                               pe_attention(q, k, v, pe, pe.prepare(shifted)))
+    torch.testing.assert_close(pe_attention(q, k, v, pe.prepare(pos)),
+                               pe_attention(q, k, v, pe.prepare(shifted)))
 
 
 @pytest.mark.parametrize('spec', ['prope', 'prope:intrinsics=false'])
@@ -121,8 +121,8 @@ def test_prope_without_intrinsics_equals_gta_se3_part(spec):
     gta = vispe.create_pe(f'gta_multiview:se3_dims={hd // 2},so2_dims={hd // 2},translation_scale=1,'
                           f'learn_translation_scale=false', dim=2 * hd, num_heads=2).double()
     pe = prope(spec, hd)
-    a = pe_attention(q, k, v, pe, pe.prepare(pos))
-    b = pe_attention(q, k, v, gta, gta.prepare(pos))
+    a = pe_attention(q, k, v, pe.prepare(pos))
+    b = pe_attention(q, k, v, gta.prepare(pos))
     torch.testing.assert_close(a[..., :hd // 2], b[..., :hd // 2])
 
 
@@ -132,7 +132,7 @@ def test_prope_output_map_inverts_the_value_map_with_intrinsics():
     pe = prope()
     state = pe.prepare(pos)
     _, _, v = qkv(pos.num_tokens, seed=4)
-    torch.testing.assert_close(pe.output(pe.value(v, state, 0), state, 0), v)
+    torch.testing.assert_close(state.output(state.value(v, 0), 0), v)
     assert pe.flash_eligible  # only q/k/v/output maps: SDPA keeps its fused kernels
 
 
@@ -143,7 +143,7 @@ def test_prope_attention_layer_trains_on_multiview_tokens():
     pe = vispe.create_pe('prope', dim=32, num_heads=2)
     attn = vispe.PEAttention(32, num_heads=2)
     x = torch.randn(2, pos.num_tokens, 32, requires_grad=True)
-    attn(x, pe=pe, state=pe.prepare(pos)).sum().backward()
+    attn(x, pe=pe.prepare(pos)).sum().backward()
     assert torch.isfinite(x.grad).all() and attn.qkv.weight.grad.abs().sum() > 0
 
 

@@ -29,7 +29,7 @@ def test_alibi_slopes_other_head_counts_interleave_the_next_power_of_two():
 def test_alibi2d_bias_is_minus_slope_times_euclidean_distance_and_zero_for_prefix_tokens():
     pe = create_pe('alibi2d', dim=32, num_heads=4, grid_size=(3, 4), num_prefix_tokens=1)
     q = torch.zeros(1)
-    bias = pe.bias(q, q, pe.prepare(vispe.grid(3, 4, num_prefix=1)), 0)
+    bias = pe.prepare(vispe.grid(3, 4, num_prefix=1)).bias(q, q, 0)
     assert bias.shape == (1, 4, 13, 13)  # 4D: a 3D mask sends CPU SDPA to its slow path
     bias = bias[0]
     t = lambda r, c: 1 + r * 4 + c  # noqa: E731
@@ -45,11 +45,11 @@ def test_alibi2d_bias_is_minus_slope_times_euclidean_distance_and_zero_for_prefi
 def test_alibi2d_is_shift_invariant_and_normalized_mode_rescales_distances():
     pe = create_pe('alibi2d', dim=32, num_heads=4)
     pts = torch.randn(6, 2) * 5
-    a = pe.prepare(vispe.points(pts))
-    b = pe.prepare(vispe.points(pts + torch.tensor([3.0, -7.0])))
+    a = pe.prepare(vispe.points(pts)).state
+    b = pe.prepare(vispe.points(pts + torch.tensor([3.0, -7.0]))).state
     torch.testing.assert_close(a, b)
     norm = create_pe('alibi2d:grid_mode=normalized', dim=32, num_heads=4, grid_size=(2, 2))
-    big = norm.prepare(vispe.grid(4, 4, train_grid=(2, 2)))  # neighbours half a training patch apart
+    big = norm.prepare(vispe.grid(4, 4, train_grid=(2, 2))).state  # neighbours half a training patch apart
     torch.testing.assert_close(big[0, :, 0, 1], -alibi_slopes(4) * 0.5)
 
 
@@ -68,7 +68,7 @@ def test_swin_rpb_bias_equals_beit_style_lookup_with_timm_class_token_index():
     for layer in (0, 1):
         flat = torch.cat([pe.relative_position_bias_table[layer], pe.prefix_bias[layer]], 0)
         expected = flat[index.view(-1)].view(1 + h * w, 1 + h * w, heads).permute(2, 0, 1)
-        torch.testing.assert_close(pe.bias(torch.zeros(1), torch.zeros(1), bias, layer), expected[None])
+        torch.testing.assert_close(bias.bias(torch.zeros(1), torch.zeros(1), layer), expected[None])
 
 
 def test_swin_rpb_table_is_resized_bicubically_for_another_grid():
@@ -76,24 +76,24 @@ def test_swin_rpb_table_is_resized_bicubically_for_another_grid():
     new = (6, 6)
     table = resize_rel_pos_bias_table_simple(pe.relative_position_bias_table[0].detach(), new_window_size=new,
                                              new_bias_shape=((2 * 6 - 1) ** 2, 2))
-    bias = pe.prepare(vispe.grid(*new, train_grid=(4, 4)))
+    prepared = pe.prepare(vispe.grid(*new, train_grid=(4, 4)))
     expected = table[gen_relative_position_index(new).view(-1)].view(36, 36, 2).permute(2, 0, 1)
-    torch.testing.assert_close(bias[0], expected, atol=1e-6, rtol=1e-6)
-    assert pe.bias(torch.zeros(1), torch.zeros(1), bias, 1) is not None and bias.shape[0] == 1  # one shared table
+    torch.testing.assert_close(prepared.state[0], expected, atol=1e-6, rtol=1e-6)
+    assert prepared.bias(torch.zeros(1), torch.zeros(1), 1) is not None and prepared.state.shape[0] == 1  # one table
     pe.set_grid_size(new)
     torch.testing.assert_close(pe.relative_position_bias_table[0], table, atol=1e-6, rtol=1e-6)
 
 
 def test_swin_rpb_on_a_token_subset_equals_the_full_grid_bias_at_the_kept_tokens():
     pe = create_pe('swin_rpb', dim=16, num_heads=2, depth=2, grid_size=(3, 4), num_prefix_tokens=1)
-    full = pe.prepare(vispe.grid(3, 4, num_prefix=1))  # (T, H, 13, 13)
+    full = pe.prepare(vispe.grid(3, 4, num_prefix=1)).state  # (T, H, 13, 13)
     keep = torch.tensor([[0, 5, 11, 7], [3, 2, 9, 10]])  # per-sample kept patches (patch dropout)
     sub = pe.prepare(vispe.grid(3, 4, num_prefix=1).select(keep))
-    assert sub.shape == (2, 2, 2, 5, 5)
+    assert sub.state.shape == (2, 2, 2, 5, 5)
     for b in range(2):
         rows = torch.cat([torch.tensor([0]), keep[b] + 1])
-        torch.testing.assert_close(sub[:, b], full[:, :, rows][:, :, :, rows])
-    assert pe.bias(torch.zeros(1), None, sub, 1).shape == (2, 2, 5, 5)
+        torch.testing.assert_close(sub.state[:, b], full[:, :, rows][:, :, :, rows])
+    assert sub.bias(torch.zeros(1), None, 1).shape == (2, 2, 5, 5)
 
 
 def test_swin_rpb_requires_self_attention_on_a_grid():
@@ -112,8 +112,8 @@ def test_relative_bias_sdpa_path_equals_explicit_path(spec):
     pe = create_pe(spec, dim=16, num_heads=2, depth=1, grid_size=(3, 3), num_prefix_tokens=1)
     state = pe.prepare(vispe.grid(3, 3, num_prefix=1))
     q, k, v = torch.randn(3, 2, 2, 10, 8).unbind(0)
-    torch.testing.assert_close(pe_attention(q, k, v, pe, state, 0),
-                               pe_attention(q, k, v, pe, state, 0, force_explicit=True), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pe_attention(q, k, v, state, 0),
+                               pe_attention(q, k, v, state, 0, force_explicit=True), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize('spec', ['alibi2d', 'swin_rpb'])

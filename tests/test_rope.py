@@ -12,7 +12,7 @@ from conftest import TINY, random_qk
 
 def _logits(pe, pos, q, k):
     state = pe.prepare(pos)
-    q2, k2 = pe.qk(q, k, state, layer=1)
+    q2, k2 = state.qk(q, k, layer=1)
     return q2 @ k2.transpose(-2, -1)
 
 
@@ -42,7 +42,7 @@ def test_rope_rotation_is_orthogonal(name):
     pe = _pe(name, 2)
     pos = vispe.grid(4, 4, num_prefix=1)
     q = torch.randn(3, 2, 17, 32, dtype=torch.float64)
-    q2, k2 = pe.qk(q, q, pe.prepare(pos), layer=0)
+    q2, k2 = pe.prepare(pos).qk(q, q, layer=0)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
     # inner products between tokens at the same position are preserved too (R^T R = I)
     torch.testing.assert_close((q2 * k2).sum(-1), (q * q).sum(-1))
@@ -52,7 +52,7 @@ def test_rope_rotation_is_orthogonal(name):
 def test_rope_leaves_prefix_tokens_untouched(name):
     pe = _pe(name, 2)
     q = torch.randn(2, 2, 17, 32, dtype=torch.float64)
-    q2, _ = pe.qk(q, q, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
+    q2, _ = pe.prepare(vispe.grid(4, 4, num_prefix=1)).qk(q, q, layer=0)
     torch.testing.assert_close(q2[:, :, 0], q[:, :, 0], rtol=0, atol=0)
     assert (q2[:, :, 2:] - q[:, :, 2:]).abs().max() > 1e-3
 
@@ -65,7 +65,7 @@ def test_rope_axial_matches_paper_layout_by_hand():
     row, col = 1, 2
     token = row * 3 + col
     q = torch.randn(1, 1, 9, hd)
-    out, _ = pe.qk(q, q, pe.prepare(pos), layer=0)
+    out, _ = pe.prepare(pos).qk(q, q, layer=0)
     freqs = [100 ** (-4 * j / hd) for j in range(hd // 4)]
     angles = [col * f for f in freqs] + [row * f for f in freqs]
     expect = []
@@ -137,7 +137,7 @@ def test_linear_scaling_equals_normalized_grid():
     a = vispe.create_pe('rope_axial:scaling=linear', dim=32, num_heads=1, grid_size=(4, 4))
     b = vispe.create_pe('rope_axial:grid_mode=normalized', dim=32, num_heads=1, grid_size=(4, 4))
     pos = vispe.grid(8, 6, train_grid=(4, 4))
-    torch.testing.assert_close(a.prepare(pos).q, b.prepare(pos).q)
+    torch.testing.assert_close(a.prepare(pos).state.q, b.prepare(pos).state.q)
 
 
 def test_half_layout_matches_rotate_half_formula():
@@ -154,8 +154,8 @@ def test_rope_in_bf16_matches_float32_within_bf16_precision():
     pe = vispe.create_pe('rope_axial', dim=64, num_heads=1, grid_size=(14, 14))
     pos = vispe.grid(14, 14)
     q = torch.randn(1, 1, 196, 64)
-    ref, _ = pe.qk(q, q, pe.prepare(pos), 0)
-    out, _ = pe.qk(q.bfloat16(), q.bfloat16(), pe.prepare(pos), 0)
+    ref, _ = pe.prepare(pos).qk(q, q, 0)
+    out, _ = pe.prepare(pos).qk(q.bfloat16(), q.bfloat16(), 0)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
@@ -201,12 +201,12 @@ def test_eval_state_holds_complex_tables_and_rotates_like_training(spec):
     pos = vispe.grid(4, 4, num_prefix=1)
     q, k = random_qk(pos.num_tokens)
     pe.train()
-    expected = pe.qk(q, k, pe.prepare(pos), layer=1)
+    expected = pe.prepare(pos).qk(q, k, layer=1)
     pe.eval()
     with torch.no_grad():
         state = pe.prepare(pos)
-        got = pe.qk(q, k, state, layer=1)
-    assert any(t.is_complex() for t in torch.utils._pytree.tree_leaves(state) if torch.is_tensor(t))
+        got = state.qk(q, k, layer=1)
+    assert any(t.is_complex() for t in torch.utils._pytree.tree_leaves(state.state) if torch.is_tensor(t))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
 

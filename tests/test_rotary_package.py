@@ -98,7 +98,7 @@ def test_rope_axial_yarn_table_has_the_scaled_frequencies_and_magnitude():
     frequencies per axis and its magnitude on every rotated pair."""
     pe = vispe.create_pe('rope_axial', dim=64, num_heads=2, grid_size=(4, 4), scaling='yarn').double()
     pos = vispe.grid(12, 12, train_grid=(4, 4), dtype=DT)
-    table = pe.prepare(pos).q[0]  # (N, hd/2): x pairs then y pairs
+    table = pe.prepare(pos).state.q[0]  # (N, hd/2): x pairs then y pairs
     base = axial_frequencies(HEAD_DIM // 4, THETA, step=2.0, dim=HEAD_DIM // 2, dtype=DT)
     freqs, magnitude = scale_frequencies(base, 3.0, 'yarn', 4.0)
     token = 1 * 12 + 2  # row 1, column 2
@@ -140,7 +140,7 @@ def test_gta_backward_through_the_shared_path_equals_autograd_of_the_reference()
     pe = vispe.create_pe('gta', dim=2 * HEAD_DIM, num_heads=2).double()
     pos = vispe.grid(3, 4, num_prefix=1, dtype=DT)
     q, k, v = _qkv(pos.num_tokens)
-    out = pe_attention(q, k, v, pe, pe.prepare(pos), 0)
+    out = pe_attention(q, k, v, pe.prepare(pos), 0)
     assert _saved_output_path(out)
     table = pe.table(pos)
     ref = apply_pair_rotation(_sdpa(apply_pair_rotation(q, table), apply_pair_rotation(k, table),
@@ -164,9 +164,9 @@ def test_gta_multiview_backward_including_the_translation_scale_equals_autograd_
     pos = _multiview()
     q, k, v = _qkv(pos.num_tokens)
     state = pe.prepare(pos)
-    out = pe_attention(q, k, v, pe, state, 1)
+    out = pe_attention(q, k, v, state, 1)
     assert _saved_output_path(out)
-    (se3_q, se3_k, se3_o), (so2_q, so2_k, so2_o) = state
+    (se3_q, se3_k, se3_o), (so2_q, so2_k, so2_o) = state.state
 
     def ref_map(x, blocks, table):
         a, b = x.split([pe.se3_dims, pe.so2_dims], dim=-1)
@@ -186,7 +186,7 @@ def test_prope_backward_through_the_shared_path_equals_autograd_of_the_reference
     pos = _multiview()
     q, k, v = _qkv(pos.num_tokens)
     state = pe.prepare(pos)
-    out = pe_attention(q, k, v, pe, state, 0)
+    out = pe_attention(q, k, v, state, 0)
     assert _saved_output_path(out)
 
     def ref_map(x, maps):
@@ -195,7 +195,8 @@ def test_prope_backward_through_the_shared_path_equals_autograd_of_the_reference
         return torch.cat([apply_block_rotation(a, mat), apply_pair_rotation(b, rot_x, 'half'),
                           apply_pair_rotation(c, rot_y, 'half')], -1)
 
-    ref = ref_map(_sdpa(ref_map(q, state[0]), ref_map(k, state[1]), ref_map(v, state[1])), state[2])
+    maps = state.state
+    ref = ref_map(_sdpa(ref_map(q, maps[0]), ref_map(k, maps[1]), ref_map(v, maps[1])), maps[2])
     torch.testing.assert_close(out, ref)
     for got, want in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
         torch.testing.assert_close(got, want)

@@ -44,7 +44,7 @@ def test_string_rotation_is_orthogonal(name):
     pe = _make(name)
     pos = vispe.grid(4, 4, num_prefix=1)
     q, _ = random_qk(17)
-    q2, k2 = pe.qk(q, q, pe.prepare(pos), layer=1)
+    q2, k2 = pe.prepare(pos).qk(q, q, layer=1)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
     torch.testing.assert_close((q2 * k2).sum(-1), (q * q).sum(-1))
 
@@ -75,7 +75,7 @@ def test_cayley_applies_p_before_rope():
     assert (with_p - without)[..., 1:, 1:].abs().max() > 1e-2
     # the reverse order P RoPE(r) leaves q^T R_i^T R_j k unchanged: P^T P = I
     p = pe.orthogonal()[1]
-    qr, kr = plain.qk(q, k, plain.prepare(pos), layer=1)
+    qr, kr = plain.prepare(pos).qk(q, k, layer=1)
     after = (qr @ p.transpose(-1, -2)) @ (kr @ p.transpose(-1, -2)).transpose(-2, -1)
     torch.testing.assert_close(after, without)
     # and P RoPE-mixes q: with_p equals RoPE applied to P q
@@ -101,7 +101,7 @@ def test_cayley_folds_p_into_the_projections():
         assert model.pe.fold_into(model) == TINY['depth']
         after = model(x)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
-    assert model.pe.prepare(model.positions((4, 4), x.device)).kind == 'pair'  # only the RoPE part remains
+    assert model.pe.prepare(model.positions((4, 4), x.device)).state.kind == 'pair'  # only the RoPE part remains
     reloaded = timm.create_model('vit_tiny', pe='string_cayley', **TINY).eval()
     reloaded.load_state_dict(model.state_dict())
     with torch.no_grad():
@@ -125,7 +125,7 @@ def test_circulant_fft_path_equals_dense_matrix_exp(block, axes):
     pe = _pe('string_circulant', axes, head_dim=head_dim, block=block)
     coords = torch.randn(6, axes, dtype=torch.float64) * 3
     q, k = random_qk(6, head_dim=head_dim)
-    q2, k2 = pe.qk(q, k, pe.prepare(vispe.points(coords)), layer=1)
+    q2, k2 = pe.prepare(vispe.points(coords)).qk(q, k, layer=1)
     c = pe.coeffs.detach()[:, 1]  # layer 1: (D, H, blocks, block)
     gens = _circulant(c) - _circulant(c).transpose(-1, -2)  # L_k = C_k - C_k^T
     rot = torch.linalg.matrix_exp(torch.einsum('nd,dhjab->hnjab', coords, gens).contiguous())  # (H, N, nb, b, b)
@@ -148,7 +148,7 @@ def test_circulant_generators_commute():
 def test_string_prefix_tokens(name):
     pe = _make(name)
     q, k = random_qk(17)
-    q2, _ = pe.qk(q, k, pe.prepare(vispe.grid(4, 4, num_prefix=1)), layer=0)
+    q2, _ = pe.prepare(vispe.grid(4, 4, num_prefix=1)).qk(q, k, layer=0)
     if name == 'string_circulant':  # identity (up to the FFT round trip)
         torch.testing.assert_close(q2[:, :, 0], q[:, :, 0], rtol=0, atol=1e-12)
     else:  # R = RoPE(0) P = P for the class token (a token at the origin, so folding is exact)
@@ -179,7 +179,7 @@ def test_string_on_video_grids_and_rgbd_points(name):
     pe = _make(name, axes=3)
     q, k = random_qk(9)
     xyz = torch.randn(2, 8, 3, dtype=torch.float64)
-    q2, _ = pe.qk(q, k, pe.prepare(vispe.points(xyz, num_prefix=1)), 0)
+    q2, _ = pe.prepare(vispe.points(xyz, num_prefix=1)).qk(q, k, 0)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
 
 

@@ -46,7 +46,7 @@ def _attention(pe, pos, q, k, v, x, dropped=None):
     if pad is not None:
         mask = ~torch.cat([torch.zeros(len(x), pos.num_prefix, dtype=torch.bool), pad], 1)[:, None, None, :]
     with torch.no_grad():
-        return vispe.pe_attention(q, k, v, pe, pe.prepare(pos), layer=1, x=x, attn_mask=mask)
+        return vispe.pe_attention(q, k, v, pe.prepare(pos), layer=1, x=x, attn_mask=mask)
 
 
 def _tolerance(spec: str) -> float:

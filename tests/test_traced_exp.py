@@ -55,7 +55,7 @@ def test_the_static_maximum_covers_initial_generators_at_four_times_the_grid(spe
     monkeypatch.setattr(expm, '_max_bound', lambda *a, **k: bounds.append(measure(*a, **k)) or bounds[-1])
     pe = vispe.create_pe(spec, dim=384, num_heads=6, depth=12, grid_size=(14, 14)).train()
     state = pe.prepare(vispe.positions.grid(56, 56, num_prefix=1, train_grid=(14, 14)))
-    RotationPE.layer_state(state, 2)  # per-sample (jittered) rotations are built on first use
+    RotationPE.layer_state(state.state, 2)  # per-sample (jittered) rotations are built on first use
     assert bounds, 'no exponential was bounded'
     assert 10 * max(float(b.max()) for b in bounds) <= expm._TRACED_MAX_BOUND
 

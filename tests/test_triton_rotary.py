@@ -257,7 +257,7 @@ def encoding_trains_identically(spec):
     pos = vispe.positions.grid(3, 4, num_prefix=1, train_grid=(2, 3), device=DEVICE)
     qkv, q, k = fused_qkv(H=H, N=pos.num_tokens, hd=hd)
     # q and k share one rotation: one launch forward, one backward
-    compare(lambda: pe.qk(q, k, pe.prepare(pos), layer=0), [qkv, *pe.parameters()], 2, tol=1e-4)
+    compare(lambda: pe.prepare(pos).qk(q, k, layer=0), [qkv, *pe.parameters()], 2, tol=1e-4)
 
 
 @pytest.mark.parametrize('grid_mode', ['index', 'normalized'])
@@ -273,12 +273,12 @@ def string_cayley_rope_part(grid_mode):
                          grid_size=(2, 3)).to(DEVICE)
     pos = vispe.positions.grid(3, 4, num_prefix=1, train_grid=(2, 3), device=DEVICE)
     qkv, q, k = fused_qkv(H=2, N=pos.num_tokens, hd=16)
-    compare(lambda: pe.qk(q, k, pe.prepare(pos), layer=0), [qkv, *pe.parameters()], 4, tol=1e-4)
+    compare(lambda: pe.prepare(pos).qk(q, k, layer=0), [qkv, *pe.parameters()], 4, tol=1e-4)
     with torch.no_grad():
         pe.eval()
-        want = pe.qk(q, k, pe.prepare(pos), layer=0)
+        want = pe.prepare(pos).qk(q, k, layer=0)
         with fused('on'), counted_launches() as launches:
-            got = pe.qk(q, k, pe.prepare(pos), layer=0)
+            got = pe.prepare(pos).qk(q, k, layer=0)
     assert launches == ['table']
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
@@ -317,7 +317,7 @@ def attention_trains_identically(spec, launches):
         cams = Cameras(*cameras[1:], cam_to_world=cameras[0], image_size=(16, 24))
         return vispe.positions.multiview(cams, (2, 3), num_prefix=1)
     qkv, q, k, v = fused_qkv(N=positions().num_tokens, hd=hd, with_v=True)
-    compare(lambda: (pe_attention(q, k, v, pe, pe.prepare(positions()), layer=0),), [qkv, *pe.parameters(), *cameras],
+    compare(lambda: (pe_attention(q, k, v, pe.prepare(positions()), layer=0),), [qkv, *pe.parameters(), *cameras],
             launches, tol=1e-4)
 
 
@@ -451,3 +451,20 @@ def test_kernel_module_imports_without_triton(monkeypatch):
 def test_unknown_fused_setting_is_an_error():
     with fused('yes'), pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
         apply_rotation(torch.randn(4, 8), 'pair', torch.randn(4, 4))
+
+
+def test_fused_setting_changes_at_run_time_and_follows_the_environment(monkeypatch):
+    from vispe.rotary import fused_mode, set_fused
+    before = set_fused(None)
+    try:
+        monkeypatch.setenv('VISPE_FUSED', 'off')
+        assert fused_mode() == 'off'  # read when a rotation runs, not at import
+        assert set_fused('on') is None and fused_mode() == 'on'  # an explicit setting wins
+        assert set_fused(None) == 'on' and fused_mode() == 'off'
+        monkeypatch.setenv('VISPE_FUSED', 'sometimes')
+        with pytest.raises(ValueError, match="VISPE_FUSED must be 'auto', 'on' or 'off'"):
+            fused_mode()
+        with pytest.raises(ValueError, match="set_fused takes 'auto', 'on', 'off' or None"):
+            set_fused('yes')
+    finally:
+        set_fused(before)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import vispe
 from vispe.cameras import Cameras, plucker_rays
-from vispe.encodings.base import PEContext
+from vispe.contract import PEContext
 from vispe.registry import create_pe
 from conftest import TINY, random_intrinsics, random_poses
 
@@ -131,7 +131,7 @@ def test_nonpositive_circulant_block_is_refused(block):
 
 @pytest.mark.parametrize('patch_size', [0, -1])
 def test_nonpositive_plucker_patch_size_is_refused(patch_size):
-    with pytest.raises(ValueError, match=f"option 'patch_size' of encoding 'plucker' must be an integer >= 1"):
+    with pytest.raises(ValueError, match="option 'patch_size' of encoding 'plucker' must be an integer >= 1"):
         _direct('plucker', patch_size=patch_size)
 
 

@@ -61,7 +61,7 @@ def test_rope_timm_rotates_as_timms_rope_module(rope_type, options):
     for layer in range(depth if rope_type == 'mixed' else 1):
         e = emb[layer] if rope_type == 'mixed' else emb
         want = [torch.cat([t[:, :, :1], apply_rot_embed_cat(t[:, :, 1:], e, half=rotate_half)], 2) for t in (q, k)]
-        got = pe.qk(q, k, state, layer)
+        got = state.qk(q, k, layer)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 

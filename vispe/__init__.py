@@ -6,11 +6,14 @@ PE-swappable ViTs in timm (``timm.create_model('vit_base', pe='rope_mixed')``).
 """
 from . import positions
 from .positions import Positions, grid, points
-from .encodings import Capabilities, ComposedPE, PEContext, PositionalEncoding
+from .contract import Capabilities, ComposedPE, PEContext, PositionalEncoding, PreparedPE
+from . import encodings  # registers every encoding
 from .registry import create_pe, format_pe_spec, list_pes, parse_pe_spec, pe_info, register_pe
-from .attention import PEAttention, pe_attention
-from .vit import VisionTransformer, load_timm_checkpoint
-from .zoo import convert, timm_pe_spec
+from .attention import pe_attention
+from .layers import PEAttention
+from .vit import VisionTransformer
+from .weights import load_timm_checkpoint
+from .zoo import convert, timm_pe_spec, unwrap_timm_entrypoints, wrap_timm_entrypoints
 from .naflex import naflex_batch, naflex_positions, naflex_size
 from .cameras import Cameras, plucker_rays
 from . import multimodal
@@ -19,9 +22,10 @@ __version__ = '0.1.0'
 
 __all__ = [
     'positions', 'Positions', 'grid', 'points',
-    'PositionalEncoding', 'PEContext', 'ComposedPE', 'Capabilities',
+    'PositionalEncoding', 'PEContext', 'ComposedPE', 'Capabilities', 'PreparedPE',
     'register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'format_pe_spec', 'pe_info',
     'PEAttention', 'pe_attention', 'VisionTransformer', 'load_timm_checkpoint', 'convert', 'timm_pe_spec',
+    'wrap_timm_entrypoints', 'unwrap_timm_entrypoints',
     'naflex_batch', 'naflex_size', 'naflex_positions',
     'Cameras', 'plucker_rays', 'multimodal',
 ]

@@ -13,7 +13,7 @@ import timm
 import torch
 
 from . import list_pes, pe_info
-from .encodings.base import PositionalEncoding
+from .contract import PositionalEncoding
 
 _WHERE = {
     'embed': 'tokens', 'between_blocks': 'between blocks', 'qk': 'q, k', 'bias': 'logit bias',

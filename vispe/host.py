@@ -1,32 +1,38 @@
-"""The PE host: the forward every vispe host of the timm ViT family shares.
+"""The PE host: the one path by which a timm ViT-family model takes a vispe encoding.
 
-`PEHost` runs the encoding's hooks around timm's blocks (``embed`` once, one ``prepare`` per
-forward, every attention layer through `PEBlock`, ``between_blocks`` after each block), for an
-image tensor and for a native-resolution (NaFlex) batch, with timm's `forward_features`,
-`forward_intermediates` and pooling. Its hosts: vispe's `VisionTransformer` (`vispe.vit`) and the
-models `vispe.convert` (`vispe.zoo`) makes of timm's own ``VisionTransformer`` and ``Eva``. The
-patch embeddings here are timm's without its size asserts (`PatchEmbed`) and a video tubelet one.
+`install_pe` makes a built timm ``VisionTransformer`` / ``Eva`` (already of its host class) use an
+encoding: it builds the encoding for the model's context, hands it the model's own position
+weights, swaps blocks and attention modules to their PE-aware subclasses (`vispe.layers`) and
+replaces patch dropout by the one that reports the kept tokens. vispe's own ViTs (`vispe.vit`) and
+every converted zoo model (`vispe.convert`) go through it.
+
+`PEHost` is the forward they share: positions built per forward from the token grid, the encoding
+prepared once (`PreparedPE`), ``embed`` once, every block given the prepared encoding,
+``between_blocks`` after each block; for an image tensor and for a native-resolution (NaFlex) batch,
+with timm's `forward_features`, `forward_intermediates` and pooling, and timm's contract methods
+(``init_weights``, ``no_weight_decay``, ``group_matcher``, ``set_input_size``). The patch embeddings
+here are timm's without its size asserts (`PatchEmbed`) and a video tubelet one.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from timm.layers import AttentionPoolLatent, Format, nchw_to
+from timm.layers import AttentionPoolLatent, Format, PatchDropout, PatchDropoutWithIndices, is_scriptable, nchw_to
 from timm.layers import PatchEmbed as TimmPatchEmbed
-from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint
-from timm.models.naflexvit import create_attention_mask, global_pool_naflex
-from timm.models.vision_transformer import Block
 from torch import nn
 
 from . import positions as P
-from .encodings.base import PositionalEncoding
+from ._timm import checkpoint, create_attention_mask, feature_take_indices, global_pool_naflex
+from .contract import PEContext, PositionalEncoding, PreparedPE
+from .layers import ATTENTIONS, BLOCKS, attentions, is_differential
 from .naflex import embed_patches, naflex_positions
+from .registry import PESpec, create_pe
+from .weights import LoadReport, adopt_own_weights
 
-__all__ = ['PEHost', 'PEBlock', 'PatchEmbed', 'TubeletEmbed', 'NO_TORCHSCRIPT']
+__all__ = ['PEHost', 'install_pe', 'host_context', 'PatchEmbed', 'TubeletEmbed', 'NO_TORCHSCRIPT']
 
 NO_TORCHSCRIPT = ('vispe models do not support TorchScript (the encoding hands positions and per-forward '
                   'state objects to every attention layer); use torch.compile or torch.export instead')
@@ -78,21 +84,10 @@ def _token_sequence(x: torch.Tensor, prefix: Sequence[Optional[torch.Tensor]], n
 
 
 @torch.fx.wrap
-def _pe_hook(pe: PositionalEncoding, hook: str, *args: Any) -> Any:
-    """``pe.<hook>(*args)``: encodings read positions and build state, which fx cannot trace."""
-    return getattr(pe, hook)(*args)
-
-
-class PEBlock(Block):
-    """timm's pre-norm `Block` whose attention receives the encoding, its per-forward state and the
-    positions that state was prepared from (to check them against the tokens)."""
-
-    def forward(self, x: torch.Tensor, pe: Optional[PositionalEncoding] = None, state: Any = None,
-                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                pos: Optional[P.Positions] = None) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), pe=pe, state=state, attn_mask=attn_mask,
-                                                   is_causal=is_causal, pos=pos)))
-        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+def _prepared(pe: PositionalEncoding, pos: P.Positions) -> PreparedPE:
+    """``pe.prepare(pos)``: an opaque call for fx, since preparing reads positions and builds state;
+    the hooks are then method calls on the prepared encoding, which fx records as they are."""
+    return pe.prepare(pos)
 
 
 class PatchEmbed(TimmPatchEmbed):
@@ -143,18 +138,41 @@ class TubeletEmbed(nn.Module):
 
 class PEHost:
     """The forward of a timm ViT-family model whose encoding is ``self.pe``: positions built per
-    forward from the token grid and handed to every hook (``embed`` once, ``prepare`` once,
-    ``between_blocks`` after each block, and through the blocks' attention ``qk`` / ``bias`` /
-    ``value`` / ``output``). Mixed into vispe's `VisionTransformer` and into the hosts that
-    `vispe.convert` makes of timm's own ``VisionTransformer`` and ``Eva``; it reads timm's attributes
-    (``patch_embed``, ``cls_token``, ``reg_token``, ``pos_drop``, ``patch_drop``, ``norm_pre``,
-    ``blocks``, ``norm``) and needs blocks that take ``(x, pe=, state=, attn_mask=, is_causal=, pos=)``.
+    forward from the token grid, the encoding prepared once for them (`PreparedPE`), ``embed`` once,
+    each block given the prepared encoding, ``between_blocks`` after each block. Mixed into vispe's
+    `VisionTransformer` and the hosts `vispe.convert` makes of timm's ``VisionTransformer`` and
+    ``Eva`` (see `install_pe`); it reads timm's attributes (``patch_embed``, ``cls_token``,
+    ``reg_token``, ``pos_drop``, ``patch_drop``, ``norm_pre``, ``blocks``, ``norm``).
     """
     video: bool = False
 
     def __prepare_scriptable__(self) -> 'PEHost':
         raise RuntimeError(NO_TORCHSCRIPT)
 
+    # ------------------------------------------------------------------ timm contract
+    def init_weights(self, *args: Any, **kwargs: Any) -> None:
+        """timm's `init_weights`, then the encoding's own initialisation (`reset_parameters`), which
+        replaces the generic init of any layer inside the encoding."""
+        super().init_weights(*args, **kwargs)
+        pe = getattr(self, 'pe', None)  # timm's constructor initialises before the encoding exists
+        if pe is not None:
+            pe.reset_parameters()
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """timm's set without its own position weights, the prefix tokens, and the encoding's."""
+        own = {n for n in super().no_weight_decay() if n != 'pos_embed' and not n.startswith('rope.')}
+        return own | {'cls_token', 'reg_token'} | {f'pe.{n}' for n in self.pe.no_weight_decay()}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's groups, the encoding's parameters in the stem where ``pos_embed`` was."""
+        matcher = dict(super().group_matcher(coarse))
+        matcher['stem'] = matcher['stem'].replace('pos_embed', r'pe\.')
+        return matcher
+
+
+    # ------------------------------------------------------------------ forward
     def positions(self, grid: Sequence[int], device: torch.device) -> P.Positions:
         """The positions of a token grid of this model (integer indices, prefix tokens first)."""
         return P.grid(*grid, num_prefix=self.num_prefix_tokens, train_grid=self.patch_embed.grid_size,
@@ -165,10 +183,10 @@ class PEHost:
         return [self.cls_token, self.reg_token]
 
     def _embed_naflex(self, batch: Dict[str, torch.Tensor], attn_mask: Optional[torch.Tensor]
-                      ) -> Tuple[torch.Tensor, P.Positions, torch.Tensor, torch.Tensor]:
-        """A NaFlex batch (`vispe.naflex`) as tokens, their per-sample positions, the attention mask
-        (padded keys masked, prefix tokens always attended, combined with ``attn_mask``) and the
-        validity of the patch tokens (gathered through patch dropout)."""
+                      ) -> Tuple[torch.Tensor, PreparedPE, torch.Tensor, torch.Tensor]:
+        """A NaFlex batch (`vispe.naflex`) as tokens, the encoding prepared for their per-sample
+        positions, the attention mask (padded keys masked, prefix tokens always attended, combined with
+        ``attn_mask``) and the validity of the patch tokens (gathered through patch dropout)."""
         if self.video:
             raise ValueError('NaFlex batches are images; this model takes video clips')
         missing = [k for k in ('patches', 'patch_coord', 'patch_valid') if k not in batch]
@@ -182,12 +200,13 @@ class PEHost:
         prefix = [t.expand(x.shape[0], -1, -1) for t in self._prefix_tokens() if t is not None]
         if prefix:
             x = torch.cat(prefix + [x], dim=1)
-        x = self.pos_drop(self.pe.embed(x, pos))
+        pe = _prepared(self.pe, pos)
+        x = self.pos_drop(pe.embed(x))
         if self.patch_drop is not None:
             x, keep = self.patch_drop(x)
             if keep is not None:  # the kept tokens are a point set indexing their grids; the mask follows them
                 valid = valid.gather(1, keep)
-                pos = pos.select(keep)
+                pe = pe.select(keep)
         keys = torch.cat([valid.new_ones(valid.shape[0], self.num_prefix_tokens), valid], 1)[:, None, None, :]
         if attn_mask is None:
             mask = keys
@@ -195,33 +214,33 @@ class PEHost:
             mask = attn_mask & keys
         else:
             mask = torch.where(keys, attn_mask, float('-inf'))
-        return self.norm_pre(x), pos, mask, valid
+        return self.norm_pre(x), pe, mask, valid
 
-    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, P.Positions]:
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, PreparedPE]:
         strict = getattr(self.patch_embed, 'strict_img_size', False) and self.patch_embed.img_size is not None
         x = _checked_input(x, self.video, tuple(self.patch_embed.patch_size),
                            getattr(self.patch_embed, 'dynamic_img_pad', False), getattr(self.patch_embed, 'tubelet', 1),
                            tuple(self.patch_embed.img_size) if strict else None)
         x, pos = _token_sequence(self.patch_embed(x), self._prefix_tokens(), self.num_prefix_tokens,
                                  tuple(self.patch_embed.grid_size))
-        x = self.pos_drop(_pe_hook(self.pe, 'embed', x, pos))
+        pe = _prepared(self.pe, pos)
+        x = self.pos_drop(pe.embed(x))
         if self.patch_drop is not None:
             x, keep = self.patch_drop(x)
             if keep is not None:
-                pos = pos.select(keep)
-        return self.norm_pre(x), pos
+                pe = pe.select(keep)
+        return self.norm_pre(x), pe
 
-    def _blocks(self, x: torch.Tensor, pos: P.Positions, attn_mask: Optional[torch.Tensor], is_causal: bool,
+    def _blocks(self, x: torch.Tensor, pe: PreparedPE, attn_mask: Optional[torch.Tensor], is_causal: bool,
                 take: Sequence[int] = (), stop: Optional[int] = None, norm: bool = False):
-        state = _pe_hook(self.pe, 'prepare', pos)
         taken = []
         blocks = self.blocks if stop is None else self.blocks[:stop + 1]
         for i, blk in enumerate(blocks):
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, self.pe, state, attn_mask, is_causal, pos)
+                x = checkpoint(blk, x, pe, attn_mask, is_causal)
             else:
-                x = blk(x, pe=self.pe, state=state, attn_mask=attn_mask, is_causal=is_causal, pos=pos)
-            x = _pe_hook(self.pe, 'between_blocks', x, pos, i)
+                x = blk(x, pe=pe, attn_mask=attn_mask, is_causal=is_causal)
+            x = pe.between_blocks(x, i)
             if i in take:
                 taken.append(self.norm(x) if norm else x)
         return x, taken
@@ -233,11 +252,11 @@ class PEHost:
         NaFlexVit, ``{'patches': tokens (B, prefix + N, C), 'patch_valid': (B, N)}``, which
         `forward_head` pools over the real patches only."""
         if isinstance(x, dict):
-            x, pos, mask, valid = self._embed_naflex(x, x.get('attn_mask', attn_mask))
-            x, _ = self._blocks(x, pos, mask, is_causal)
+            x, pe, mask, valid = self._embed_naflex(x, x.get('attn_mask', attn_mask))
+            x, _ = self._blocks(x, pe, mask, is_causal)
             return {'patches': self.norm(x), 'patch_valid': valid}
-        x, pos = self._embed(x)
-        x, _ = self._blocks(x, pos, attn_mask, is_causal)
+        x, pe = self._embed(x)
+        x, _ = self._blocks(x, pe, attn_mask, is_causal)
         return self.norm(x)
 
     def _pool_keeps_prefix(self, attn_pool: bool) -> bool:
@@ -300,18 +319,19 @@ class PEHost:
             if output_fmt != 'NLC':
                 raise ValueError("output_fmt must be 'NLC' for a NaFlex batch: its samples have different grids "
                                  "(each sample's first h*w patch tokens are its grid in row-major order)")
-            x, pos, attn_mask, valid = self._embed_naflex(x, x.get('attn_mask', attn_mask))
+            x, pe, attn_mask, valid = self._embed_naflex(x, x.get('attn_mask', attn_mask))
         else:
-            x, pos = self._embed(x)
-        x, inter = self._blocks(x, pos, attn_mask, is_causal, take=take,
+            x, pe = self._embed(x)
+        x, inter = self._blocks(x, pe, attn_mask, is_causal, take=take,
                                 stop=max_index if stop_early else None, norm=norm)
         npre = self.num_prefix_tokens
         prefix = [y[:, :npre] for y in inter] if npre else None
         inter = [y[:, npre:] for y in inter]
         if output_fmt == 'NCHW':
-            if pos.grid is None:
+            grid = pe.pos_q.grid
+            if grid is None:
                 raise ValueError("output_fmt='NCHW' needs the full token grid (disable patch dropout)")
-            inter = [y.unflatten(1, pos.grid).movedim(-1, 1).contiguous() for y in inter]
+            inter = [y.unflatten(1, grid).movedim(-1, 1).contiguous() for y in inter]
         if output_dict:
             out: Dict[str, Any] = {'image_intermediates': inter}
             if prefix is not None and return_prefix_tokens:
@@ -334,3 +354,106 @@ class PEHost:
         super().set_input_size(img_size=img_size, patch_size=patch_size)
         self.pe.set_grid_size(tuple(self.patch_embed.grid_size))
         self.pe_context = self.pe.ctx
+
+
+def host_context(model: nn.Module) -> PEContext:
+    """The encoding's context in a timm ViT / Eva: width, the heads its q/k maps see (differential
+    attention: 2H of width hd), depth, training grid, prefix tokens."""
+    first = attentions(model.blocks[0])[0] if len(model.blocks) else None
+    num_heads = first.num_heads if first is not None else 1
+    if first is not None and is_differential(first):
+        num_heads *= 2
+    return PEContext(dim=model.embed_dim, num_heads=num_heads,
+                     head_dim=first.head_dim if first is not None else model.embed_dim, depth=len(model.blocks),
+                     grid_size=tuple(model.patch_embed.grid_size), num_prefix_tokens=model.num_prefix_tokens,
+                     embed_prefix=not model.no_embed_class)
+
+
+def _check_differential(enc: PositionalEncoding, pe: PESpec, label: str) -> None:
+    """Refuse an encoding that cannot act on a differential attention's pair of softmax maps."""
+    caps = enc.capabilities
+    why = [what for what, bad in (
+        ('acts on v', 'value' in caps.hooks), ('acts on the attention output', 'output' in caps.hooks),
+        ('adds a term from the attention weights', caps.needs_weights), ('widens the head', caps.changes_head_dim),
+    ) if bad]
+    if why:
+        raise ValueError(f'{label}: pe={pe!r} cannot apply to differential attention: the encoding '
+                         f'{" and ".join(why)}, while the two softmax maps of a head pair share one value and '
+                         'one output; only q/k maps, logit biases and token embeddings apply')
+
+
+def check_hostable(model: nn.Module, label: str) -> None:
+    """Refuse, naming the block and module, a model whose blocks or attention modules `install_pe`
+    has no PE-aware subclass for."""
+    for i, block in enumerate(model.blocks):
+        if type(block) not in BLOCKS:
+            raise ValueError(f'{label}: block {i} is a {type(block).__name__}, which vispe cannot host '
+                             f'(not a known timm block)')
+        for attn in attentions(block):
+            if attn is not block and type(attn) not in ATTENTIONS:
+                raise ValueError(f'{label}: block {i} has a {type(attn).__name__}, which vispe cannot host '
+                                 f'(not a known timm attention)')
+
+
+def install_pe(model: nn.Module, pe: PESpec, *, label: str, loaded_grid: Optional[Tuple[int, ...]] = None,
+               device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None, **options: Any
+               ) -> LoadReport:
+    """Give a built timm ViT / Eva model (already of its `PEHost` class, its blocks timm's own) the
+    encoding ``pe``, in place: the one path of vispe's own ViTs and of `vispe.convert`.
+
+    The encoding is built for the model's context (`host_context`; ``device`` / ``dtype``: timm's
+    factory kwargs, default the model's), takes over the model's own position weights
+    (`adopt_own_weights`), and replaces ``pos_embed`` (and an Eva's ``rope``); blocks and attention
+    modules become their PE-aware subclasses with their layer index; patch dropout becomes the one
+    that returns the kept indices. Returns what was dropped, initialised and resampled.
+
+    Raises:
+        ValueError: an encoding that cannot apply to this model (one that needs cameras, one that
+            acts on v or the output of a differential attention, one acting between blocks with patch
+            dropout), naming the model (``label``) and the reason; TorchScript mode (``scriptable``).
+    """
+    if is_scriptable():
+        raise ValueError(f'{label} was built with scriptable=True: {NO_TORCHSCRIPT}')
+    check_hostable(model, label)
+    ctx = host_context(model)
+    if device is None and dtype is None:
+        ref = next(iter(model.parameters()), None)
+        device, dtype = (ref.device, ref.dtype) if ref is not None else (None, None)
+    try:
+        enc = create_pe(pe, ctx, device=device, dtype=dtype, **options)
+    except ValueError as e:
+        raise ValueError(f'{label}: pe={pe!r} cannot apply to this model: {e}') from e
+    caps = enc.capabilities
+    if caps.requires:
+        raise ValueError(f'{label}: pe={pe!r} needs {sorted(caps.requires)} in its positions, which an image '
+                         'ViT does not supply (use a camera-aware host)')
+    if any(is_differential(a) for b in model.blocks for a in attentions(b)):
+        _check_differential(enc, pe, label)
+    drop_rate = getattr(model.patch_drop, 'prob', 0.0) if model.patch_drop is not None else 0.0
+    if drop_rate > 0 and caps.between_blocks:
+        raise ValueError(f'{label}: pe={pe!r} acts between blocks on the full token grid, which patch dropout '
+                         f'(patch_drop_rate={drop_rate}) removes')
+    entries, report = adopt_own_weights(model, enc, loaded_grid)
+    with torch.no_grad():
+        _, unexpected = enc.load_state_dict(entries, strict=False)
+    if unexpected:
+        raise ValueError(f'{label}: the encoding has no entries {unexpected} that it adopted')  # a hook's bug
+
+    for i, block in enumerate(model.blocks):
+        block.__class__ = BLOCKS[type(block)]
+        for attn in attentions(block):
+            if attn is not block:
+                attn.__class__ = ATTENTIONS[type(attn)]
+            attn.layer_index = i
+    if isinstance(model.patch_drop, PatchDropout):  # timm's: one that also returns the kept indices
+        model.patch_drop = PatchDropoutWithIndices(model.patch_drop.prob, model.num_prefix_tokens,
+                                                   ordered=model.patch_drop.ordered)
+    elif not isinstance(model.patch_drop, PatchDropoutWithIndices):
+        model.patch_drop = None
+    model.pos_embed = None
+    if hasattr(model, 'rope'):  # an Eva: the encoding replaces its rope
+        model.rope = None
+        model.rope_mixed = False
+    model.pe = enc
+    model.pe_context = ctx
+    return report

@@ -22,9 +22,9 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.data.naflex_transforms import get_image_size_for_seq, patchify_image
 from torch import nn
 
+from ._timm import get_image_size_for_seq, patchify_image
 from .positions import Positions, naflex_grid
 
 __all__ = ['naflex_size', 'naflex_batch', 'naflex_positions', 'embed_patches']

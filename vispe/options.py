@@ -273,9 +273,15 @@ def _format(value: Any, where: str) -> str:
 def signature_options(func: Callable) -> Tuple[Dict[str, inspect.Parameter], Dict[str, Any], bool]:
     """``(parameters by name, type hints, takes **kwargs)`` of ``func``, computed once per function.
 
+    For a class, the parameters of its ``__init__``; where that ends in ``**kwargs`` passed on to the
+    parent's constructor, the parent's options follow (``self`` and the leading ``ctx`` once), so a
+    subclass names only the options it adds and shares the rest of its parent's signature.
+
     Hints that cannot be resolved (a forward reference to a name the module lacks) leave that
     function's arguments unchecked rather than failing its callers.
     """
+    if isinstance(func, type):
+        return _class_options(func)
     params = dict(inspect.signature(func).parameters)
     try:
         hints = typing.get_type_hints(func)
@@ -283,6 +289,22 @@ def signature_options(func: Callable) -> Tuple[Dict[str, inspect.Parameter], Dic
         hints = {}
     hints.pop('return', None)
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return params, hints, var_kw
+
+
+def _class_options(cls: type) -> Tuple[Dict[str, inspect.Parameter], Dict[str, Any], bool]:
+    inits = [c.__dict__['__init__'] for c in cls.__mro__ if '__init__' in c.__dict__]
+    params, hints, var_kw = dict(signature_options(inits[0])[0]), {}, False
+    for i, init in enumerate(inits):
+        own, own_hints, var_kw = signature_options(init)
+        for name, p in list(own.items())[2 if i else 0:]:  # self and ctx come from the leaf
+            if p.kind is not p.VAR_KEYWORD:
+                params.setdefault(name, p)
+        for name, hint in own_hints.items():
+            hints.setdefault(name, hint)
+        if not var_kw:
+            break
+    params = {n: p for n, p in params.items() if p.kind is not p.VAR_KEYWORD or var_kw}
     return params, hints, var_kw
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .options import short_repr
-from .encodings.base import ComposedPE, PEContext, PositionalEncoding, build_with_factory_kwargs
+from .contract import ComposedPE, PEContext, PositionalEncoding, build_with_factory_kwargs
 from .options import coerce, did_you_mean, format_value, signature_options, unknown_option
 
 __all__ = ['register_pe', 'create_pe', 'list_pes', 'parse_pe_spec', 'format_pe_spec', 'pe_info', 'PESpec']
@@ -47,14 +47,15 @@ _REGISTRY: Dict[str, _Entry] = {}
 def register_pe(name: str, family: Optional[str] = None) -> Callable[[Type[PositionalEncoding]], Type]:
     """Class decorator: register an encoding under ``name``.
 
-    The constructor must be ``__init__(self, ctx: PEContext, *, option: type = default, ...)``.
+    The constructor must be ``__init__(self, ctx: PEContext, *, option: type = default, ...)``; one
+    ending in ``**options`` passed to its parent's constructor also takes the parent's options.
     """
     def wrap(cls: Type[PositionalEncoding]) -> Type[PositionalEncoding]:
         if name in _REGISTRY and _REGISTRY[name].cls is not cls:
             raise ValueError(f'encoding name {name!r} is already registered by {_REGISTRY[name].cls.__name__}')
         if '+' in name or ':' in name or ',' in name:
             raise ValueError(f'encoding name {name!r} may not contain "+", ":" or ","')
-        params, hints, _ = signature_options(cls.__init__)
+        params, hints, _ = signature_options(cls)
         options = {p.name: p for p in list(params.values())[2:]  # self, ctx
                    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
         fam = family or cls.__module__.rsplit('.', 1)[-1]

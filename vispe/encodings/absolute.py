@@ -15,7 +15,7 @@ from ..registry import register_pe
 from ..rotary.frequencies import axial_frequencies
 from ._checks import check_nonnegative, check_positive
 from .additive import AdditivePE
-from .base import PEContext, PositionalEncoding
+from ..contract import PEContext, PositionalEncoding
 
 __all__ = ['NoPE', 'LearnedPE', 'SinCosPE']
 

@@ -8,14 +8,12 @@ dtype of the sum (``embed`` adds in the tokens' dtype), a small table cache, and
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import ClassVar, Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional
 
 import torch
 
-from .._tracing import is_tracing
 from ..positions import Positions, points
-from .base import PEContext, PositionalEncoding
+from ..contract import PositionalEncoding
 
 __all__ = ['AdditivePE', 'pad_prefix_rows']
 
@@ -40,21 +38,14 @@ class AdditivePE(PositionalEncoding):
 
     Cache: `_table_key` names positions whose embedding is a function of the key alone (by default
     a grid or the grids of a NaFlex batch; DETR's sine encoding asks for a grid without padding);
-    their embedding is kept in a small LRU (`cache_size` entries) keyed also by the device,
-    inference mode and the versions of the parameters and buffers, so an optimiser step or a loaded
-    state dict is seen. Encodings with trainable parameters cache only where autograd is off;
-    nothing is kept while tracing (fake tensors), and `clear_cache`, `train`, `_apply` (device or
-    dtype moves) and `set_grid_size` empty it.
+    their embedding is kept in the encoding's `tensor_cache` keyed also by the device and the
+    versions of the parameters and buffers, so an optimiser step or a loaded state dict is seen.
+    Encodings with trainable parameters cache only where autograd is off; the cache keeps nothing
+    while tracing and is emptied with the state cache (`clear_cache`: mode, device, dtype, grid).
 
     Every additive encoding is also a coordinate map: `encode` ``(..., D) -> (..., out_dim)`` gives
     the features of continuous coordinates, by default ``embedding(points(coords))``.
     """
-    cache_size: ClassVar[int] = 8
-
-    def __init__(self, ctx: PEContext) -> None:
-        super().__init__(ctx)
-        self._tables: 'OrderedDict[Hashable, torch.Tensor]' = OrderedDict()
-
     # ----------------------------------------------------------------- what subclasses implement
     def _rows(self, pos: Positions) -> torch.Tensor:
         """The embedding ``([B,] n, C)`` of the last ``n`` tokens of ``pos`` (``n >= pos.num_tokens -
@@ -77,16 +68,13 @@ class AdditivePE(PositionalEncoding):
         return pad_prefix_rows(rows, pos.num_tokens - rows.shape[1])
 
     def _cache_key(self, pos: Positions) -> Optional[Hashable]:
-        if is_tracing():
-            return None
         key = self._table_key(pos)
         if key is None:
             return None
         tensors = list(self.parameters()) + list(self.buffers())
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return None  # a cached table would carry a finished autograd graph
-        return (key, pos.device, torch.is_inference_mode_enabled(),
-                tuple((id(t), t._version) for t in tensors))
+        return ('embedding', key, pos.device, tuple((id(t), t._version) for t in tensors))
 
     def embedding(self, pos: Positions) -> torch.Tensor:
         """The additive embedding ``(B | 1, N_total, C)`` of the tokens of ``pos``; prefix tokens
@@ -94,17 +82,9 @@ class AdditivePE(PositionalEncoding):
         key = self._cache_key(pos)
         if key is None:
             return self._build(pos)
-        table = self._tables.get(key)
-        if table is None:
-            table = self._build(pos)
-            self._tables[key] = table
-            if len(self._tables) > self.cache_size:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(key)
-        return table
+        return self.tensor_cache.get(key, lambda: self._build(pos))
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, pos: Positions, state: Any = None) -> torch.Tensor:
         """``x + embedding(pos)``, in ``x``'s dtype."""
         return x + self.embedding(pos).to(x.dtype)
 
@@ -118,20 +98,3 @@ class AdditivePE(PositionalEncoding):
         point set ``coords``."""
         flat = coords.reshape(-1, coords.shape[-1])
         return self.embedding(points(flat))[0].reshape(*coords.shape[:-1], -1)
-
-    # ----------------------------------------------------------------- cache invalidation
-    def clear_cache(self) -> None:
-        super().clear_cache()
-        self._tables.clear()
-
-    def train(self, mode: bool = True) -> 'AdditivePE':
-        self._tables.clear()
-        return super().train(mode)
-
-    def _apply(self, fn, recurse=True):
-        self._tables.clear()
-        return super()._apply(fn, recurse)
-
-    def set_grid_size(self, grid_size: Sequence[int]) -> None:
-        self._tables.clear()
-        super().set_grid_size(grid_size)

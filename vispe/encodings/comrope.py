@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Literal, Optional, Sequence, Tuple
+from typing import Any, List, Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +20,11 @@ from torch.utils.checkpoint import checkpoint
 from ..positions import Positions
 from ..registry import register_pe
 from ..rotary import RotationPE
-from ..rotary.base import heads_and_layers, require_divisible, token_grid
+from ..rotary.base import LazyRotations, heads_and_layers, require_divisible, token_grid
 from ..rotary.expm import Rotations, expm_skew, layerwise_exp, skew
 from ..rotary.kernels import pad_identity
 from ._checks import check_nonnegative
-from .base import Capabilities, PEContext, resolve_num_axes
+from ..contract import Capabilities, PEContext, resolve_num_axes
 
 __all__ = ['ComRoPEAP', 'ComRoPELD']
 
@@ -44,8 +44,20 @@ class _ComRoPE(RotationPE):
     larger_input = 'interpolate'
     paper = 'Yu et al., CVPR 2025 (ComRoPE), arXiv:2506.03737'
 
-    def __init__(self, ctx: PEContext, block: int, per_layer: bool, normalize: Normalize, jitter: float,
-                 prefix: Prefix, init_std: float, time_scale: TimeScale, ape: bool) -> None:
+    def __init__(
+            self,
+            ctx: PEContext,
+            *,
+            block: int = 2,
+            per_layer: bool = True,
+            normalize: Normalize = 'grid',
+            jitter: float = 1.0,
+            prefix: Prefix = 'centre',
+            init_std: float = 1.0,
+            num_axes: Optional[int] = None,
+            time_scale: TimeScale = 'patches',
+            ape: bool = False,
+    ) -> None:
         super().__init__(ctx)
         if normalize not in ('grid', 'train'):
             raise ValueError(f"option normalize of encoding {self.name!r} must be one of ('grid', 'train'), "
@@ -73,8 +85,11 @@ class _ComRoPE(RotationPE):
                 raise ValueError(f'option ape of encoding {self.name!r} needs the training grid (h, w) or (t, h, w): '
                                  f'pass grid_size to create_pe, got grid_size={ctx.grid_size}')
             self.pos_embed = nn.Parameter(torch.randn(1, math.prod(ctx.grid_size), ctx.dim))
-        # jittered positions drawn by `embed`, for the rotations of the same forward
-        self._jittered: Optional[Tuple[Positions, torch.Tensor, int]] = None
+        self._init_axes(ctx, num_axes)
+
+    def _init_axes(self, ctx: PEContext, num_axes: Optional[int]) -> None:
+        """Fix or check the number of coordinate axes D (and build any per-axis parameters)."""
+        raise NotImplementedError
 
     def _declare_capabilities(self) -> Capabilities:
         caps = super()._declare_capabilities()
@@ -190,30 +205,34 @@ class _ComRoPE(RotationPE):
             raise NotImplementedError(f'encoding {self.name!r} has an additive part only with ape=true')
         return self._sample_table(*self.coordinates(pos))
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, pos: Positions, state: Any = None) -> torch.Tensor:
         if self.pos_embed is None:
             return x
-        batch = x.shape[0] if self.per_sample(pos) else None
-        coords, pad = self.coordinates(pos, batch)
-        if batch is not None:  # one jitter per forward: the rotations take these positions too
-            self._jittered = (pos, coords, pad)
+        if self.per_sample(pos) and isinstance(state, LazyRotations):
+            # the forward's jitter, drawn once in its state: the rotations take these positions too
+            coords, pad = self._jittered_coordinates(pos, x.shape[0], state)
+        else:
+            coords, pad = self.coordinates(pos, x.shape[0] if self.per_sample(pos) else None)
         return x + self._sample_table(coords, pad).to(x.dtype)
 
-    def _jittered_coordinates(self, pos: Positions, batch: int) -> Tuple[torch.Tensor, int]:
-        """This forward's jittered coordinates: those `embed` drew for ``pos``, else fresh ones."""
-        drawn, self._jittered = self._jittered, None
-        if drawn is not None and drawn[0] is pos and drawn[1].shape[0] == batch:
-            return drawn[1], drawn[2]
-        return self.coordinates(pos, batch)
+    def _jittered_coordinates(self, pos: Positions, batch: int, draws: LazyRotations) -> Tuple[torch.Tensor, int]:
+        """This forward's jittered coordinates of ``pos``, drawn once and kept in its state ``draws``."""
+        return draws.draw(('jittered', id(pos), batch), lambda: self.coordinates(pos, batch))
 
     # ----------------------------------------------------------------- rotations
-    def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
+    def rotation(self, pos: Positions, batch: Optional[int] = None, draws: Optional[LazyRotations] = None
+                 ) -> Rotations:
         gen = self.axis_generators(pos.ndim)
         grid = token_grid(pos)
         if self.block > 2 and batch is None and grid is not None and not pos.batched:
             return self._grid_rotation(pos, grid, gen)
-        coords, pad = self.coordinates(pos) if batch is None else self._jittered_coordinates(pos, batch)
-        return layerwise_exp(gen, coords, pad)
+        if batch is None:
+            coords, pad = self.coordinates(pos)
+        elif draws is None:
+            coords, pad = self.coordinates(pos, batch)
+        else:
+            coords, pad = self._jittered_coordinates(pos, batch, draws)
+        return layerwise_exp(gen, coords, pad, cache=self.tensor_cache)
 
     def _grid_rotation(self, pos: Positions, grid: Tuple[int, ...], gen: torch.Tensor) -> torch.Tensor:
         """Per-axis values ``(i + 0.5) / n`` (plus the centre for prefix tokens) and each token's index."""
@@ -266,7 +285,9 @@ class ComRoPEAP(_ComRoPE):
 
     Absolute table (``ape``): the released models also add a learned absolute table to the tokens
     (the original's ``keep_ape=False``, an inverted flag: False keeps the table); ``ape=True`` matches
-    the release, the default ``ape=False`` is rotation only. ``pos_embed`` ``(1, prod(grid), C)`` (the
+    the release, the default ``ape=False`` is rotation only. It is an option of this encoding rather
+    than the composition ``comrope_ap+learned`` because the release reads the table at the
+    rotation's own (jittered) coordinates, which a separate additive encoding never sees. ``pos_embed`` ``(1, prod(grid), C)`` (the
     training grid, row-major like timm's; ``set_input_size`` resamples it) from ``N(0, 1)``, sampled
     as the release with ``grid_sample`` (bilinear, ``align_corners=True``, border padding) at
     ``2 p - 1`` of each token's coordinates ``p``: those of the rotation, with the same jitter in
@@ -298,21 +319,7 @@ class ComRoPEAP(_ComRoPE):
         ape: add the learned absolute table of the released models.
     """
 
-    def __init__(
-            self,
-            ctx: PEContext,
-            *,
-            block: int = 2,
-            per_layer: bool = True,
-            normalize: Normalize = 'grid',
-            jitter: float = 1.0,
-            prefix: Prefix = 'centre',
-            init_std: float = 1.0,
-            num_axes: Optional[int] = None,
-            time_scale: TimeScale = 'patches',
-            ape: bool = False,
-    ) -> None:
-        super().__init__(ctx, block, per_layer, normalize, jitter, prefix, init_std, time_scale, ape)
+    def _init_axes(self, ctx: PEContext, num_axes: Optional[int]) -> None:
         self.num_axes = num_axes
         if num_axes is not None or ctx.grid_size is not None:  # else D is only known from the positions
             self._check_axes(resolve_num_axes(ctx, num_axes, self.name))
@@ -371,21 +378,7 @@ class ComRoPELD(_ComRoPE):
         ape: add the learned absolute table of the released models (``ape=True`` matches the release).
     """
 
-    def __init__(
-            self,
-            ctx: PEContext,
-            *,
-            block: int = 2,
-            per_layer: bool = True,
-            normalize: Normalize = 'grid',
-            jitter: float = 1.0,
-            prefix: Prefix = 'centre',
-            init_std: float = 1.0,
-            num_axes: Optional[int] = None,
-            time_scale: TimeScale = 'patches',
-            ape: bool = False,
-    ) -> None:
-        super().__init__(ctx, block, per_layer, normalize, jitter, prefix, init_std, time_scale, ape)
+    def _init_axes(self, ctx: PEContext, num_axes: Optional[int]) -> None:
         self.num_axes = resolve_num_axes(ctx, num_axes, self.name)
         layers = self.generators.shape[0]
         self.axis_scales = nn.Parameter(torch.randn(layers, self.num_axes, self.num_blocks))

@@ -24,7 +24,7 @@ from ..positions import Positions
 from ..registry import register_pe
 from ._checks import check_positive
 from .additive import AdditivePE
-from .base import PEContext, autocast_off, resolve_num_axes
+from ..contract import PEContext, autocast_off, resolve_num_axes
 
 __all__ = ['FrequencyEncoding', 'GaussianFourierFeatures', 'NeRFFrequencyPE', 'GaussianFourierPE',
            'CoordinatePE', 'unit_coordinates']

@@ -21,7 +21,7 @@ from ..positions import Positions
 from ..registry import register_pe
 from ._checks import check_positive
 from .additive import AdditivePE
-from .base import PEContext
+from ..contract import PEContext
 
 __all__ = ['DetrSine', 'DetrLearned']
 

@@ -17,7 +17,7 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from .additive import AdditivePE
-from .base import PEContext, autocast_off, resolve_num_axes
+from ..contract import PEContext, autocast_off, resolve_num_axes
 
 __all__ = ['LearnableFourierFeatures', 'LearnableFourierPE', 'WrInit']
 

@@ -31,7 +31,7 @@ from ..rotary.autograd import rotate_channels
 from ..rotary.base import check_head_dim
 from ..rotary.kernels import block_matrices, pad_identity
 from ._checks import check_nonnegative, check_positive
-from .base import Capabilities, PEContext
+from ..contract import Capabilities, PEContext
 
 __all__ = ['Gta', 'GtaMultiview', 'interleaved_axis_angles']
 

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Literal, Optional, Tuple
+from typing import Literal, Optional, Tuple
 
 import torch
 from timm.layers import trunc_normal_
 from torch import nn
 
-from .._tracing import is_tracing
 from ..positions import Positions
 from ..registry import register_pe
 from ._checks import check_nonnegative
-from .base import Capabilities, PEContext, PositionalEncoding
+from ..contract import Capabilities, PEContext, PositionalEncoding
 
 __all__ = ['IRPE', 'piecewise_index', 'irpe_bucket_ids', 'irpe_num_buckets', 'IRPEMethod']
 
@@ -28,7 +27,6 @@ IRPEMethod = Literal['euclidean', 'quantization', 'cross', 'product']
 IRPEMode = Literal['bias', 'contextual']
 IRPEOn = Literal['k', 'q', 'v', 'qk', 'kv', 'qv', 'qkv']
 
-_GRID_CACHE_SIZE = 8
 # ratio of the released DeiT models per mapping (product 50, cross 56, euclidean 20, quantization 51 buckets on 14x14)
 DEFAULT_RATIO = {'product': 1.9, 'cross': 20.0, 'euclidean': 20.0, 'quantization': 33.0}
 
@@ -229,7 +227,6 @@ class IRPE(PositionalEncoding):
             for table in (self.table_k, self.table_q, self.table_v):
                 if table is not None:
                     trunc_normal_(table, std=init_std)
-        self._grid_cache: Dict[tuple, torch.Tensor] = {}
 
     def _declare_capabilities(self) -> Capabilities:
         # the parts that are off run no hook, so SDPA stays where it can: without a V table no weights
@@ -246,20 +243,13 @@ class IRPE(PositionalEncoding):
         if (pos_q.num_prefix or pos_k.num_prefix) and not self.has_prefix_bucket:
             raise ValueError("encoding 'irpe' was built without prefix tokens (num_prefix_tokens=0) but the "
                              f'positions have {pos_q.num_prefix} / {pos_k.num_prefix} prefix tokens')
-        key = None
-        # grid positions are fixed by the grid shape; ids made in inference mode (which autograd refuses
-        # to save) are kept apart, and none made while tracing (fake tensors) are kept at all
-        if pos_q.grid is not None and pos_k.grid is not None and not is_tracing():
-            key = (pos_q.grid, pos_q.num_prefix, pos_k.grid, pos_k.num_prefix, pos_q.device,
-                   torch.is_inference_mode_enabled())
-            if key in self._grid_cache:
-                return self._grid_cache[key]
-        ids = irpe_bucket_ids(pos_q, pos_k, self.method, self.ratio, prefix_bucket=self.has_prefix_bucket)
-        if key is not None:
-            if len(self._grid_cache) >= _GRID_CACHE_SIZE:
-                self._grid_cache.pop(next(iter(self._grid_cache)))
-            self._grid_cache[key] = ids
-        return ids
+        def build() -> torch.Tensor:
+            return irpe_bucket_ids(pos_q, pos_k, self.method, self.ratio, prefix_bucket=self.has_prefix_bucket)
+        if pos_q.grid is None or pos_k.grid is None:
+            return build()
+        # grid positions are fixed by the grid shapes
+        return self.tensor_cache.get(('buckets', pos_q.grid, pos_q.num_prefix, pos_k.grid, pos_k.num_prefix,
+                                      pos_q.device), build)
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> _IRPEState:
         ids = self.bucket_ids(pos_q, pos_k)

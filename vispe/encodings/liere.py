@@ -17,7 +17,7 @@ from ..rotary import RotationPE
 from ..rotary.base import check_axes, heads_and_layers, token_grid
 from ..rotary.expm import Rotations, layerwise_exp, skew_from_upper
 from ._checks import check_nonnegative
-from .base import PEContext, resolve_num_axes
+from ..contract import PEContext, resolve_num_axes
 
 __all__ = ['LieRE']
 
@@ -133,7 +133,7 @@ class LieRE(RotationPE):
     def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
         # a NaFlex sample gets the squarings it needs alone, hence the same rotations as alone
         return layerwise_exp(self.axis_generators(), self.coordinates(pos), pos.num_prefix,
-                             sample_squarings=pos.index_grids is not None)
+                             sample_squarings=pos.index_grids is not None, cache=self.tensor_cache)
 
     def extra_repr(self) -> str:
         return (f'gd={self.gd}, blocks={self.num_blocks}, axes={self.num_axes}, '

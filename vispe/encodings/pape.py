@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import List, Literal, Optional, Tuple
+from typing import Any, List, Literal, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from ..options import short_repr
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ._checks import check_min_int
-from .base import Capabilities, PEContext, PositionalEncoding, resolve_num_axes
+from ..contract import Capabilities, PEContext, PositionalEncoding, resolve_num_axes
 
 __all__ = ['PaPE', 'PaPERI', 'pape_coordinates']
 
@@ -72,9 +72,20 @@ class _Parabolic(PositionalEncoding):
     needs_tokens = True
     changes_head_dim = True
 
-    def __init__(self, ctx: PEContext, num_axes: int, start: float, grid_mode: GridMode,
-                 bias_scale: BiasScale, pad_to_multiple: int, extra: int) -> None:
+    def __init__(
+            self,
+            ctx: PEContext,
+            *,
+            num_axes: Optional[int] = None,
+            start: float = 1.0,
+            grid_mode: GridMode = 'index',
+            bias_scale: BiasScale = 'logit',
+            pad_to_multiple: int = 8,
+    ) -> None:
         super().__init__(ctx)
+        if num_axes is not None:
+            check_min_int(self.name, 'num_axes', num_axes)
+        num_axes = resolve_num_axes(ctx, num_axes, self.name)
         check_min_int(self.name, 'pad_to_multiple', pad_to_multiple)
         if pad_to_multiple > 256:  # the widest head the flash kernels take; more padding only costs
             raise ValueError(f"option 'pad_to_multiple' of encoding {self.name!r} must be at most 256, "
@@ -93,10 +104,15 @@ class _Parabolic(PositionalEncoding):
         self.grid_mode = grid_mode
         self.bias_scale = bias_scale
         self.pad_to_multiple = pad_to_multiple
+        extra = self.extra_channels(num_axes)
         total = ctx.head_dim + extra
         self.num_extra = extra
         self.num_pad = -total % pad_to_multiple
         self.attn_scale = ctx.head_dim ** -0.5
+
+    def extra_channels(self, num_axes: int) -> int:
+        """Channels the bias adds to q and k (before padding) for D = ``num_axes``."""
+        raise NotImplementedError
 
     def _declare_capabilities(self) -> Capabilities:
         # q, k and v share the padded width; CUDA's flash kernels take head dims up to 256 (checked
@@ -170,13 +186,6 @@ def _pairs(d: int) -> List[Tuple[int, int]]:
     return [(i, j) for i in range(d) for j in range(i, d)]
 
 
-def _num_axes(ctx: PEContext, num_axes: Optional[int], name: str) -> int:
-    """D: the option (an integer >= 1), else the host grid's, else 2."""
-    if num_axes is not None:
-        check_min_int(name, 'num_axes', num_axes)
-    return resolve_num_axes(ctx, num_axes, name)
-
-
 @register_pe('pape', family='pape')
 class PaPE(_Parabolic):
     """PaPE (2026): per layer, head and query a sum of P parabolas over projected positions.
@@ -210,21 +219,9 @@ class PaPE(_Parabolic):
     """
     paper = 'PaPE (2026), arXiv:2602.01418'
 
-    def __init__(
-            self,
-            ctx: PEContext,
-            *,
-            parabolas: int = 50,
-            num_axes: Optional[int] = None,
-            start: float = 1.0,
-            grid_mode: GridMode = 'index',
-            bias_scale: BiasScale = 'logit',
-            pad_to_multiple: int = 8,
-    ) -> None:
+    def __init__(self, ctx: PEContext, *, parabolas: int = 50, **options: Any) -> None:
         check_min_int(self.name, 'parabolas', parabolas)
-        axes = _num_axes(ctx, num_axes, self.name)
-        super().__init__(ctx, axes, start, grid_mode, bias_scale, pad_to_multiple,
-                         extra=1 + axes + len(_pairs(axes)))
+        super().__init__(ctx, **options)
         self.parabolas = parabolas
         L, H, P, D, C = ctx.depth, ctx.num_heads, parabolas, self.num_axes, ctx.dim
         self.pos_proj = nn.Parameter(_uniform_(torch.empty(L, H * P, D), D))
@@ -233,6 +230,9 @@ class PaPE(_Parabolic):
         self.register_buffer('_pair_index', torch.tensor(pairs, dtype=torch.long).reshape(-1, 2), persistent=False)
         self.register_buffer('_pair_weight', torch.tensor([1.0 if i == j else 2.0 for i, j in pairs]),
                              persistent=False)
+
+    def extra_channels(self, num_axes: int) -> int:
+        return 1 + num_axes + len(_pairs(num_axes))  # [1, r_j, monomials r_jd r_je]
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> _ParabolicState:
         L, H, P, D = self.ctx.depth, self.ctx.num_heads, self.parabolas, self.num_axes
@@ -290,22 +290,15 @@ class PaPERI(_Parabolic):
     """
     paper = 'PaPE-RI (2026), arXiv:2602.01418'
 
-    def __init__(
-            self,
-            ctx: PEContext,
-            *,
-            num_axes: Optional[int] = None,
-            start: float = 1.0,
-            grid_mode: GridMode = 'index',
-            bias_scale: BiasScale = 'logit',
-            pad_to_multiple: int = 8,
-    ) -> None:
-        axes = _num_axes(ctx, num_axes, self.name)
-        super().__init__(ctx, axes, start, grid_mode, bias_scale, pad_to_multiple, extra=axes + 2)
+    def __init__(self, ctx: PEContext, **options: Any) -> None:
+        super().__init__(ctx, **options)
         L, H = ctx.depth, ctx.num_heads
         bound = math.sqrt(1.0 / self.num_axes)
         self.register_buffer('position_scales', (2 * torch.rand(L, H) - 1) * bound)
         self.a_proj = nn.Parameter(_uniform_(torch.empty(L, H, ctx.dim), ctx.dim))
+
+    def extra_channels(self, num_axes: int) -> int:
+        return num_axes + 2  # [1, r_j, ||r_j||^2]
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> _ParabolicState:
         r_q, r_k = self.coordinates(pos_q, pos_k)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..positions import Positions
 from ..registry import register_pe
-from .base import PEContext, PositionalEncoding
+from ..contract import PEContext, PositionalEncoding
 
 __all__ = ['PEG']
 

@@ -1,7 +1,7 @@
 """Plücker ray embeddings: camera conditioning as an absolute per-token input (LVSM, CameraCtrl)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -12,7 +12,7 @@ from ..positions.multiview import view_grid
 from ..registry import register_pe
 from ._checks import check_min_int
 from .additive import AdditivePE
-from .base import PEContext
+from ..contract import PEContext
 
 __all__ = ['PluckerPE']
 
@@ -101,7 +101,7 @@ class PluckerPE(AdditivePE):
             raise NotImplementedError("encoding 'plucker' with mode='concat' is not additive; use embed(x, pos)")
         return super().embedding(pos)
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, pos: Positions, state: Any = None) -> torch.Tensor:
         if self.mode == 'add':
             return super().embed(x, pos)
         emb = self._build(pos).to(x.dtype)

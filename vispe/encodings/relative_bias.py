@@ -18,7 +18,7 @@ from ..registry import register_pe
 from ._checks import check_nonnegative
 from .._dtypes import at_least_float32
 from .._tracing import static_equal
-from .base import PEContext, PositionalEncoding
+from ..contract import PEContext, PositionalEncoding
 
 __all__ = ['ALiBi2D', 'SwinRelativeBias', 'alibi_slopes', 'swin_relative_position_index']
 

@@ -17,11 +17,11 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ..rotary import RotationPE, axial_frequencies, rotation_table, scale_frequencies
-from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling
+from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling, mixed_axis_angles
 from .._dtypes import compute_dtype
 from ..rotary.kernels import pad_identity
 from ._checks import check_nonnegative, check_positive
-from .base import PEContext, resolve_num_axes
+from ..contract import PEContext, resolve_num_axes
 
 __all__ = ['RopeAxial', 'RopeMixed', 'PairRotaryPE']
 
@@ -242,12 +242,11 @@ class RopeMixed(PairRotaryPE):
                 scaled = [self.scaled_frequencies(a, coords.dtype, g, pos.train_grid or g) for g in pos.index_grids]
                 f = torch.stack([freqs for freqs, _ in scaled], 1).unsqueeze(-2)
                 mag = [max(m, s) for m, (_, s) in zip(mag, scaled)]
+                theta = theta + c.unsqueeze(-1).unsqueeze(-3) * f
             else:
                 freqs, m = self.scaled_frequencies(a, coords.dtype, pos.index_grid, pos.train_grid)
                 mag = max(mag, m)
-                # (L, H, P) x (..., N) -> (L, ..., H, N, P) with batch dims before heads
-                f = freqs.reshape(freqs.shape[0], *([1] * (c.dim() - 1)), freqs.shape[1], 1, freqs.shape[2])
-            theta = theta + c.unsqueeze(-1).unsqueeze(-3) * f
+                theta = theta + mixed_axis_angles(c, freqs)
         if per_sample:  # (B, 1, 1, 1): broadcast against (L, B, H, N, P)
             mag = torch.tensor(mag, dtype=coords.dtype, device=coords.device).reshape(-1, 1, 1, 1)
         return theta, mag

@@ -23,7 +23,7 @@ from ..rotary.expm import axis_sum, skew_from_upper
 from .._dtypes import compute_dtype
 from ..rotary.kernels import pad_identity
 from ._checks import check_min_int, check_nonnegative, check_positive
-from .base import PEContext, resolve_num_axes
+from ..contract import PEContext, resolve_num_axes
 from .rope import RopeMixed
 
 __all__ = ['StringCayley', 'StringCirculant']

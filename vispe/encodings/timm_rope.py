@@ -31,15 +31,16 @@ import math
 from typing import Dict, Literal, Optional, Tuple, Union
 
 import torch
-from timm.layers.pos_embed_sincos import _apply_coord_augs, freq_bands, init_random_2d_freqs
+from .._timm import apply_coord_augs, freq_bands, init_random_2d_freqs
 from torch import nn
 
 from ..positions import Positions
 from ..registry import register_pe
 from ..rotary import RotationPE, rotation_table
+from ..rotary.frequencies import mixed_axis_angles
 from ..rotary.kernels import pad_identity
 from ._checks import check_positive
-from .base import PEContext
+from ..contract import PEContext
 
 __all__ = ['TimmRope']
 
@@ -191,7 +192,7 @@ class TimmRope(RotationPE):
             t = torch.stack([(t[..., a] + 0.5 + self.grid_offset) / denom[a] for a in range(2)], -1)
             t = 2.0 * t - 1.0
         if self.training and any(v is not None for v in self.augment.values()):
-            t = _apply_coord_augs(t, **self.augment)
+            t = apply_coord_augs(t, **self.augment)
         return t
 
     def angles(self, pos: Positions) -> torch.Tensor:
@@ -217,12 +218,7 @@ class TimmRope(RotationPE):
             return full * freq_bands(hd, temperature=self.temperature, step=2, device=device)
         # mixed: (2, L, H, P) frequencies against (..., N) coordinates -> (L, ..., H, N, P)
         freqs = self.freqs.float()
-        total = 0
-        for a in range(2):
-            c = t[..., a]
-            f = freqs[a].reshape(freqs.shape[1], *([1] * (c.dim() - 1)), freqs.shape[2], 1, freqs.shape[3])
-            total = total + c.unsqueeze(-1).unsqueeze(-3) * f
-        return total
+        return mixed_axis_angles(t[..., 0], freqs[0]) + mixed_axis_angles(t[..., 1], freqs[1])
 
     def rotation(self, pos: Positions, batch: Optional[int] = None) -> torch.Tensor:
         """Complex tables ``(L', [B,] H', N_total, hd/2)``: one shared by every layer and head, or per

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any, Literal, Optional, Sequence, Tuple
 
 import torch
@@ -192,8 +191,12 @@ class Positions:
             return False
         if self.cameras is not other.cameras:
             return False
-        for a, b in ((self.coords, other.coords), (self.view_index, other.view_index),
-                     (self.key_padding_mask, other.key_padding_mask)):
+        pairs = [(self.view_index, other.view_index), (self.key_padding_mask, other.key_padding_mask)]
+        # a grid's coordinates are its indices: equal grids have equal ones (no comparison, no device sync)
+        if not (self.grid is not None and not self.batched and not other.batched
+                and (self.coords.device, self.coords.dtype) == (other.coords.device, other.coords.dtype)):
+            pairs.append((self.coords, other.coords))
+        for a, b in pairs:
             if (a is None) != (b is None):
                 return False
             if a is not None and a is not b and (
@@ -205,25 +208,6 @@ class Positions:
 def _build_grid_index(shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     axes = [torch.arange(n, device=device, dtype=dtype) for n in shape]
     return torch.stack(torch.meshgrid(*axes, indexing='ij'), dim=-1).reshape(-1, len(shape))
-
-
-@lru_cache(maxsize=64)
-def _cached_grid_index(shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype,
-                       inference: bool) -> torch.Tensor:
-    """`_build_grid_index`, once per key; ``inference`` (whether inference mode is on) only keys."""
-    return _build_grid_index(shape, device, dtype)
-
-
-def _grid_index(shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The grid's index coordinates, one tensor per (shape, device, dtype) while not traced.
-
-    Reusing the same tensor lets the encodings' eval cache recognise the positions by identity
-    (no device sync). Tensors made in inference mode are inference tensors, which autograd refuses
-    to save, so they are cached apart; nothing made while tracing (fake tensors) is cached.
-    """
-    if is_tracing():
-        return _build_grid_index(shape, device, dtype)
-    return _cached_grid_index(shape, device, dtype, torch.is_inference_mode_enabled())
 
 
 def grid(
@@ -250,7 +234,7 @@ def grid(
     train = tuple(int(s) for s in train_grid) if train_grid is not None else shape
     if len(train) != len(shape):
         raise ValueError(f'train_grid {train} must have as many axes as the grid {shape}')
-    coords = _grid_index(shape, torch.device(device or 'cpu'), dtype)
+    coords = _build_grid_index(shape, torch.device(device or 'cpu'), dtype)
     return Positions(coords=coords, num_prefix=num_prefix, grid=shape, train_grid=train)
 
 

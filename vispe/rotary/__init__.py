@@ -13,12 +13,12 @@ and the multimodal rotary of LLM code build and apply their rotations here, one 
 Angles and matrices are applied in float32 (float64 stays float64), results cast back to the
 activation dtype.
 """
-from .autograd import apply_rotation, rotate_qk
+from .autograd import apply_rotation, fused_mode, rotate_qk, set_fused
 from .base import RotationPE, RotationState
 from .frequencies import FREQUENCY_SCALING, axial_frequencies, scale_frequencies
 from .kernels import apply_pair_rotation, rotation_table
 
 __all__ = [
-    'RotationPE', 'RotationState', 'rotate_qk', 'apply_rotation', 'apply_pair_rotation', 'rotation_table',
-    'axial_frequencies', 'scale_frequencies', 'FREQUENCY_SCALING',
+    'RotationPE', 'RotationState', 'rotate_qk', 'set_fused', 'fused_mode', 'apply_rotation', 'apply_pair_rotation',
+    'rotation_table', 'axial_frequencies', 'scale_frequencies', 'FREQUENCY_SCALING',
 ]

@@ -3,7 +3,7 @@
 `rotate_qk` and `apply_rotation` are the one entry of every rotary encoding. They pick, per call:
 
 * the fused Triton kernels (`fused`, kinds ``table``, ``half_table``, ``pair``, ``block``, ``matrix`` on
-  CUDA; `FUSED` selects);
+  CUDA; `set_fused` / ``VISPE_FUSED`` select);
 * under autograd, `_SavedOutputRotation`: only the rotated output (which attention saves anyway)
   and the rotation are kept for backward, the input gradient is ``R^T grad`` and the rotation's
   gradient comes from ``R x`` itself or from ``x = R^-1 (R x)``, never from a second copy of q and k;
@@ -27,15 +27,38 @@ from .kernels import (
     mixed_pair_adjoint, mixed_pair_grads, rotate_blocks, rotation_table, unit_table,
 )
 
-__all__ = ['FUSED', 'KINDS', 'RotationKind', 'angle_tables', 'apply_rotation', 'rotate_channels', 'rotate_qk']
+__all__ = ['FUSED', 'fused_mode', 'set_fused', 'KINDS', 'RotationKind', 'angle_tables', 'apply_rotation', 'rotate_channels', 'rotate_qk']
 
-FUSED: Literal['auto', 'on', 'off'] = os.environ.get('VISPE_FUSED', 'auto')  # type: ignore[assignment]
+FusedMode = Literal['auto', 'on', 'off']
+_MODES = ('auto', 'on', 'off')
+
+FUSED: Optional[FusedMode] = None
 """When q / k rotations run the fused Triton kernels (kinds ``table``, ``half_table``, ``pair``, ``block``,
 ``matrix``, and ``mixed_pair``'s pairs after its dense product; the inputs and rotations
 `fused.supported` lists, also as tokens-first ``(B, N, H, hd)`` views, the reference kernels otherwise):
 ``'auto'`` on CUDA tensors when triton imports, ``'on'`` on any device (CPU tensors need Triton's interpreter,
 ``TRITON_INTERPRET=1`` before vispe is imported: for tests), ``'off'`` never. Never while tracing
-(torch.compile fuses the reference itself). Set this attribute, or ``VISPE_FUSED`` before import."""
+(torch.compile fuses the reference itself). None (the default): the environment variable ``VISPE_FUSED``,
+read when a rotation runs, else ``'auto'``. Set with `set_fused`, read with `fused_mode`."""
+
+
+def fused_mode() -> FusedMode:
+    """The fused-kernel setting in force: `set_fused`'s, else ``VISPE_FUSED``, else ``'auto'``."""
+    mode = FUSED if FUSED is not None else os.environ.get('VISPE_FUSED', 'auto')
+    if mode not in _MODES:
+        source = 'vispe.rotary.set_fused' if FUSED is not None else 'VISPE_FUSED'
+        raise ValueError(f"{source} must be 'auto', 'on' or 'off', got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def set_fused(mode: Optional[FusedMode]) -> Optional[FusedMode]:
+    """Choose when rotations run the fused kernels (`FUSED`; None: back to ``VISPE_FUSED`` / ``'auto'``),
+    at any time; returns the previous setting, so ``prev = set_fused('off') ... set_fused(prev)``."""
+    global FUSED
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"set_fused takes 'auto', 'on', 'off' or None, got {mode!r}")
+    previous, FUSED = FUSED, mode
+    return previous
 
 
 Kernel = Callable[..., torch.Tensor]
@@ -198,9 +221,8 @@ class _SavedOutputRotation(torch.autograd.Function):
 
 def _fused_device(x: torch.Tensor) -> bool:
     """Whether `FUSED` puts rotations of ``x`` on the fused kernels, where they support them."""
-    if FUSED not in ('auto', 'on', 'off'):
-        raise ValueError(f"vispe.rotary.autograd.FUSED must be 'auto', 'on' or 'off', got {FUSED!r}")
-    return not (FUSED == 'off' or (FUSED == 'auto' and not x.is_cuda) or is_tracing())
+    mode = fused_mode()
+    return not (mode == 'off' or (mode == 'auto' and not x.is_cuda) or is_tracing())
 
 
 def _fused(kind: str, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:

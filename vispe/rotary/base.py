@@ -9,7 +9,10 @@ build one token set's rotations (`rotation`); the ``qk`` hook applies them throu
 `autograd.rotate_qk`, whose backward keeps only the rotated output.
 
 Rotations that depend on the batch (training-time position jitter) are built on the first ``qk``
-call of a forward, once the batch size is known (`LazyRotations`), and then shared by every layer.
+call of a forward, once the batch size is known (`LazyRotations`), and then shared by every layer;
+what they draw (the jittered positions) is kept there too, so that another hook of the same forward
+(ComRoPE's absolute table, in ``embed``) reads the same draw: it travels in the prepared state, never
+in the module.
 
 Native-resolution (NaFlex) batches (`Positions.grids`: one grid per sample, padded): when every
 sample has the same grid, the rotations are that grid's, shared by the batch as in a plain batch,
@@ -22,12 +25,12 @@ as keys.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .._dtypes import compute_dtype
-from ..encodings.base import PEContext, PositionalEncoding
+from ..contract import PEContext, PositionalEncoding
 from ..positions import Positions
 from .autograd import angle_tables, rotate_qk
 from .expm import Rotations
@@ -53,16 +56,24 @@ class RotationState(NamedTuple):
 
 class LazyRotations:
     """Rotations whose shape depends on the batch (per-sample jitter): built on the first ``qk`` call
-    of a forward, from the batch size it sees, then shared by every later layer of that forward."""
+    of a forward, from the batch size it sees, then shared by every later layer of that forward; and
+    the values drawn for them (`draw`), shared with the forward's other hooks."""
 
-    def __init__(self, build: Callable[[int], RotationState]) -> None:
+    def __init__(self, build: Callable[[int, 'LazyRotations'], RotationState]) -> None:
         self._build = build
         self._state: Optional[RotationState] = None
+        self._draws: Dict[Hashable, Any] = {}
 
     def get(self, batch: int) -> RotationState:
         if self._state is None:
-            self._state = self._build(batch)
+            self._state = self._build(batch, self)
         return self._state
+
+    def draw(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``'s value for ``key``, drawn once in this forward."""
+        if key not in self._draws:
+            self._draws[key] = make()
+        return self._draws[key]
 
 
 class RotationPE(PositionalEncoding):
@@ -84,7 +95,10 @@ class RotationPE(PositionalEncoding):
         """True when this forward's rotations of ``pos`` differ between samples (training-time jitter)."""
         return False
 
-    def rotation(self, pos: Positions, batch: Optional[int] = None) -> Rotations:
+    def rotation(self, pos: Positions, batch: Optional[int] = None, draws: Optional[LazyRotations] = None
+                 ) -> Rotations:
+        """The rotations of ``pos``; per sample for a batch of ``batch`` (when `per_sample`), their random
+        parts drawn through ``draws`` (this forward's `LazyRotations`)."""
         raise NotImplementedError
 
     def per_grid(self) -> bool:
@@ -98,7 +112,7 @@ class RotationPE(PositionalEncoding):
         p = next(self.parameters(), None)
         return compute_dtype(p) if p is not None else torch.float32
 
-    def _layers(self, pos: Positions, batch: Optional[int]) -> Layers:
+    def _layers(self, pos: Positions, batch: Optional[int], draws: Optional[LazyRotations] = None) -> Layers:
         if pos.grids is not None and batch is None:
             shared = shared_sample_grid(pos)
             if shared is not None:  # one grid: its rotations, shared by the batch, padding rows identity
@@ -106,10 +120,11 @@ class RotationPE(PositionalEncoding):
                 return self._angle_tables(layers)
             if self.per_grid():
                 return self._angle_tables(self._per_grid_layers(pos))
-        return self._angle_tables(self._rotation_layers(pos, batch))
+        return self._angle_tables(self._rotation_layers(pos, batch, draws))
 
-    def _rotation_layers(self, pos: Positions, batch: Optional[int]) -> Layers:
-        rot = self.rotation(pos, batch)
+    def _rotation_layers(self, pos: Positions, batch: Optional[int], draws: Optional[LazyRotations] = None
+                         ) -> Layers:
+        rot = self.rotation(pos, batch) if draws is None else self.rotation(pos, batch, draws)
         return rot.unbind(0) if torch.is_tensor(rot) else tuple(rot)
 
     def _angle_tables(self, layers: Layers) -> Layers:
@@ -138,9 +153,9 @@ class RotationPE(PositionalEncoding):
         return tuple(layers)
 
     def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Union[RotationState, LazyRotations]:
-        def build(batch: Optional[int]) -> RotationState:
-            rq = self._layers(pos_q, batch)
-            return RotationState(self.rotation_kind, rq, rq if pos_k is None else self._layers(pos_k, batch))
+        def build(batch: Optional[int], draws: Optional[LazyRotations] = None) -> RotationState:
+            rq = self._layers(pos_q, batch, draws)
+            return RotationState(self.rotation_kind, rq, rq if pos_k is None else self._layers(pos_k, batch, draws))
 
         if self.per_sample(pos_q) or (pos_k is not None and self.per_sample(pos_k)):
             return LazyRotations(build)

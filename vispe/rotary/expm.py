@@ -30,6 +30,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .._tracing import is_tracing
+from ..contract import TensorCache
 from .kernels import pad_identity
 
 __all__ = ['Rotations', 'axis_sum', 'expm_skew', 'layerwise_exp', 'linear_exp', 'skew', 'skew_from_upper']
@@ -223,31 +224,24 @@ def _build_plan_tensors(num_axes: int, degree: int, device: torch.device, dtype:
     return torch.tensor(monomials, dtype=dtype, device=device), tuple(matrices)
 
 
-@lru_cache(maxsize=None)
-def _cached_plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch.dtype, inference: bool
-                         ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
-    """`_build_plan_tensors`, once per key; ``inference`` (whether inference mode is on) only keys."""
-    return _build_plan_tensors(num_axes, degree, device, dtype)
-
-
-def _plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch.dtype
-                  ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+def _plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch.dtype,
+                  cache: Optional[TensorCache]) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
     """`_monomial_plan` as tensors on ``device``: the exponents ``(K, D)`` and the incidence matrices,
-    made once (each host-to-device copy of them would stall a GPU's queue). Inference-mode tensors
-    (which autograd refuses to save) are cached apart; while tracing nothing is cached."""
-    if is_tracing():
+    kept in the encoding's ``cache`` (each host-to-device copy of them would stall a GPU's queue)."""
+    if cache is None:
         return _build_plan_tensors(num_axes, degree, device, dtype)
-    return _cached_plan_tensors(num_axes, degree, device, dtype, torch.is_inference_mode_enabled())
+    return cache.get(('expm plan', num_axes, degree, device, dtype),
+                     lambda: _build_plan_tensors(num_axes, degree, device, dtype))
 
 
-def _word_sums(gen: torch.Tensor, degree: int) -> List[torch.Tensor]:
+def _word_sums(gen: torch.Tensor, degree: int, cache: Optional[TensorCache]) -> List[torch.Tensor]:
     """``S_alpha`` for ``|alpha| <= degree``: the sum of all products of generators with ``alpha_d``
     factors ``A_d``, so that ``(sum_d p_d A_d)^k = sum_{|alpha| = k} p^alpha S_alpha``. Built degree by
     degree from ``S_alpha = sum_d A_d S_{alpha - e_d}``: per degree one batched product and one small
     GEMM with the 0/1 incidence matrix. gen ``(D, ...lead, b, b)`` -> per degree ``k`` a tensor
     ``(n_k, ...lead, b, b)``, the monomials in `_monomial_plan`'s order."""
     num_axes, b = gen.shape[0], gen.shape[-1]
-    _, incidence = _plan_tensors(num_axes, degree, gen.device, gen.dtype)
+    _, incidence = _plan_tensors(num_axes, degree, gen.device, gen.dtype, cache)
     lead = gen.shape[1:-2]
     level = torch.eye(b, dtype=gen.dtype, device=gen.device).expand(1, *lead, b, b)
     levels = [level]
@@ -280,24 +274,24 @@ def _soa_squaring_grad(grad: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -
     return out
 
 
-def _monomials(coords: torch.Tensor, squarings: Squarings, degree: int) -> torch.Tensor:
+def _monomials(coords: torch.Tensor, squarings: Squarings, degree: int, cache: Optional[TensorCache]) -> torch.Tensor:
     """Taylor coefficients of every position, ``p^alpha / (2^(s |alpha|) |alpha|!)`` for ``|alpha| <=
     degree`` in `_monomial_plan`'s order: ``([B,] N, K)``. Shared by all layers of a forward. A traced
     ``s`` is 0-dim or one per sample, ``(B, 1, 1)``."""
-    exponents, _ = _plan_tensors(coords.shape[-1], degree, coords.device, coords.dtype)  # (K, D)
+    exponents, _ = _plan_tensors(coords.shape[-1], degree, coords.device, coords.dtype, cache)  # (K, D)
     order = exponents.sum(-1)
     scale = torch.exp2(-squarings * order) / torch.lgamma(order + 1).exp()
     return (coords.unsqueeze(-2) ** exponents).prod(-1) * scale
 
 
-def _taylor_soa(gen: torch.Tensor, coef: torch.Tensor, degree: int) -> torch.Tensor:
+def _taylor_soa(gen: torch.Tensor, coef: torch.Tensor, degree: int, cache: Optional[TensorCache]) -> torch.Tensor:
     """``T(sum_d p_d A_d / 2^s)`` at every position, ``T`` the degree-``degree`` Taylor polynomial
     written as a polynomial in the coordinates, ``sum_alpha coef_alpha S_alpha`` (`_monomials`): one
     GEMM over the monomials (no matrix product per position). Laid out for `_soa_matmul`,
     ``(L' [B] H', b, b, nb N)``."""
     layers, heads, nb, b = gen.shape[1:5]
     # (L', H', b, b, nb, K) in one copy: the GEMM's rows (H', b, b, nb) give the squarings' layout
-    sums = torch.cat([level.permute(1, 2, 4, 5, 3, 0) for level in _word_sums(gen, degree)], dim=-1)
+    sums = torch.cat([level.permute(1, 2, 4, 5, 3, 0) for level in _word_sums(gen, degree, cache)], dim=-1)
     flat = sums.reshape(layers, heads * b * b * nb, -1)
     if coef.dim() == 3:  # (L', 1, F, K) x (B, K, N) -> (L', B, F, N)
         y = torch.matmul(flat.unsqueeze(1), coef.transpose(-1, -2))
@@ -343,10 +337,10 @@ class _LinearExpBlocks(torch.autograd.Function):
     arrives for) and goes back through each squaring, ``G <- G y^T + y^T G``."""
 
     @staticmethod
-    def forward(ctx, gen, coef, squarings, degree, num_prefix):
-        y = _squarings_soa(_taylor_soa(gen, coef, degree), squarings)[-1]
+    def forward(ctx, gen, coef, squarings, degree, num_prefix, cache):
+        y = _squarings_soa(_taylor_soa(gen, coef, degree, cache), squarings)[-1]
         ctx.save_for_backward(gen, coef)
-        ctx.squarings, ctx.degree, ctx.num_prefix = squarings, degree, num_prefix
+        ctx.squarings, ctx.degree, ctx.num_prefix, ctx.cache = squarings, degree, num_prefix, cache
         return _position_major(y, gen, coef, num_prefix)
 
     @staticmethod
@@ -355,7 +349,7 @@ class _LinearExpBlocks(torch.autograd.Function):
         n = coef.shape[-2]
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(need) for t, need in zip((gen, coef), ctx.needs_input_grad[:2])]
-            taylor = _taylor_soa(*leaves, ctx.degree)
+            taylor = _taylor_soa(*leaves, ctx.degree, ctx.cache)
         factors = _squarings_soa(taylor.detach(), ctx.squarings - 1, keep=True) if ctx.squarings else ()
         # the rotations' gradient in the Taylor layout (C, b, b, nb N)
         g = grad.transpose(-5, -4).narrow(-5, ctx.num_prefix, n)  # (L', [B,] N, H', nb, b, b)
@@ -365,7 +359,7 @@ class _LinearExpBlocks(torch.autograd.Function):
         for i, y in enumerate(reversed(factors)):
             g = _soa_squaring_grad(g, y, out=spare[i % 2])
         found = iter(torch.autograd.grad(taylor, [t for t in leaves if t.requires_grad], g))
-        return tuple(next(found) if t.requires_grad else None for t in leaves) + (None, None, None)
+        return tuple(next(found) if t.requires_grad else None for t in leaves) + (None, None, None, None)
 
 
 def _poly_degree(num_axes: int) -> int:
@@ -420,8 +414,8 @@ def _regroup(parts: Sequence[torch.Tensor], groups: Sequence[List[int]]) -> torc
     return joined.index_select(1, torch.argsort(order)).transpose(-5, -4)
 
 
-def _exp_blocks(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, degree: int, num_prefix: int
-                ) -> torch.Tensor:
+def _exp_blocks(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, degree: int, num_prefix: int,
+                cache: Optional[TensorCache]) -> torch.Tensor:
     """`_LinearExpBlocks`' forward as plain differentiable ops, for a traced graph: the same GEMM over
     the monomials with its operands swapped, so that it writes the blocks as the matrices the
     batched products of `_square_repeatedly` take, position-major as q and k lie (``([B,] N, L' H'
@@ -433,7 +427,7 @@ def _exp_blocks(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, deg
     origin = coef.new_zeros(*coef.shape[:-2], num_prefix, coef.shape[-1])
     origin[..., 0] = 1
     coef = torch.cat([origin, coef], dim=-2)
-    sums = torch.cat(_word_sums(gen, degree))  # (K, L', H', nb, b, b)
+    sums = torch.cat(_word_sums(gen, degree, cache))  # (K, L', H', nb, b, b)
     y = (coef @ sums.reshape(sums.shape[0], -1)).unflatten(-1, (-1, b, b))  # ([B,] N, L' H' nb, b, b)
     if torch.is_tensor(squarings) and squarings.dim():  # (B, 1, 1) -> (B, 1, 1, 1, 1)
         squarings = squarings[..., None, None]
@@ -442,22 +436,22 @@ def _exp_blocks(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, deg
     return y.unflatten(-3, (layers, heads, nb)).movedim(-5, 0).transpose(-5, -4)
 
 
-def _exp_from_monomials(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, degree: int, num_prefix: int
-                        ) -> torch.Tensor:
+def _exp_from_monomials(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, degree: int, num_prefix: int,
+                        cache: Optional[TensorCache]) -> torch.Tensor:
     """Rotations from the positions' Taylor coefficients, memory-lean under autograd either way:
     eagerly `_LinearExpBlocks`; traced, `_exp_blocks` under activation checkpointing (torch.compile
     and torch.export trace it: only the inputs are kept, the rest is recomputed in backward)."""
     if _squarings_readable(gen):
-        return _LinearExpBlocks.apply(gen, coef, squarings, degree, num_prefix)
+        return _LinearExpBlocks.apply(gen, coef, squarings, degree, num_prefix, cache)
     if torch.is_grad_enabled() and (gen.requires_grad or coef.requires_grad):
         # nothing random inside: no RNG state to keep
-        return checkpoint(_exp_blocks, gen, coef, squarings, degree, num_prefix, use_reentrant=False,
+        return checkpoint(_exp_blocks, gen, coef, squarings, degree, num_prefix, cache, use_reentrant=False,
                           preserve_rng_state=False)
-    return _exp_blocks(gen, coef, squarings, degree, num_prefix)
+    return _exp_blocks(gen, coef, squarings, degree, num_prefix, cache)
 
 
 def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int] = None, num_prefix: int = 0,
-               sample_squarings: bool = False) -> torch.Tensor:
+               sample_squarings: bool = False, cache: Optional[TensorCache] = None) -> torch.Tensor:
     """``R(p) = exp(sum_d p_d A_d)`` for every position: gen ``(D, L', H', nb, b, b)`` skew blocks,
     coords ``([B,] N, D)``; ``num_prefix`` identity rotations (prefix tokens) come first.
 
@@ -469,7 +463,8 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int]
     ``sample_squarings``, each sample of batched coords with the squarings it needs alone, so that it
     gets the same rotations as alone: a NaFlex batch). With gradients on, the result is recomputed in
     backward rather than keeping the squarings' intermediates. Traced, the same numbers
-    (`_traced_squarings`).
+    (`_traced_squarings`). ``cache``: the calling encoding's `TensorCache`, which keeps the small
+    constant tensors of the monomial plan on the device.
     """
     if gen.shape[-1] == 2:
         return pad_identity(axis_sum(coords, gen[..., 1, 0]), num_prefix, 'pair')
@@ -480,20 +475,20 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int]
     per_sample = sample_squarings and squarings is None and coords.dim() == 3
     if not _squarings_readable(gen):  # one count tensor, per sample where eager groups the samples
         squarings = _traced_count(gen, coords, per_sample) if squarings is None else squarings
-        return _exp_from_monomials(gen, _monomials(coords, squarings, degree), squarings, degree, num_prefix)
+        return _exp_from_monomials(gen, _monomials(coords, squarings, degree, cache), squarings, degree, num_prefix, cache)
     if per_sample:
         groups = _sample_groups(gen, coords)
         if len(groups) > 1:
-            parts = [_exp_from_monomials(gen, _monomials(coords[members], s, degree), s, degree, num_prefix)
+            parts = [_exp_from_monomials(gen, _monomials(coords[members], s, degree, cache), s, degree, num_prefix, cache)
                      for s, members in groups.items()]
             return _regroup(parts, list(groups.values()))
         squarings = next(iter(groups))
     squarings = _squarings(gen, coords) if squarings is None else squarings
-    return _exp_from_monomials(gen, _monomials(coords, squarings, degree), squarings, degree, num_prefix)
+    return _exp_from_monomials(gen, _monomials(coords, squarings, degree, cache), squarings, degree, num_prefix, cache)
 
 
-def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0, sample_squarings: bool = False
-                  ) -> Rotations:
+def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0, sample_squarings: bool = False,
+                  cache: Optional[TensorCache] = None) -> Rotations:
     """`linear_exp` with ``num_prefix`` identity rows prepended, for the state of a `RotationPE`.
 
     In training with ``b > 2`` each layer is computed (and recomputed in backward) on its own, so the
@@ -502,23 +497,23 @@ def layerwise_exp(gen: torch.Tensor, coords: torch.Tensor, num_prefix: int = 0, 
     (per group of samples with ``sample_squarings``, see `linear_exp`; traced, per sample).
     """
     if gen.shape[-1] == 2 or not (torch.is_grad_enabled() and gen.requires_grad):
-        return linear_exp(gen, coords, num_prefix=num_prefix, sample_squarings=sample_squarings)
+        return linear_exp(gen, coords, num_prefix=num_prefix, sample_squarings=sample_squarings, cache=cache)
     if gen.shape[0] > _MAX_POLY_AXES:
-        return [linear_exp(g, coords, num_prefix=num_prefix)[0] for g in gen.split(1, dim=1)]
+        return [linear_exp(g, coords, num_prefix=num_prefix, cache=cache)[0] for g in gen.split(1, dim=1)]
     degree = _poly_degree(gen.shape[0])
     per_sample = sample_squarings and coords.dim() == 3
     if not _squarings_readable(gen):
         squarings = _traced_count(gen, coords, per_sample)
-        coef = _monomials(coords, squarings, degree)
-        return [_exp_from_monomials(g, coef, squarings, degree, num_prefix)[0] for g in gen.split(1, dim=1)]
+        coef = _monomials(coords, squarings, degree, cache)
+        return [_exp_from_monomials(g, coef, squarings, degree, num_prefix, cache)[0] for g in gen.split(1, dim=1)]
     groups = _sample_groups(gen, coords) if per_sample else {}
     if len(groups) <= 1:  # one squaring count for all positions
         groups = {next(iter(groups)) if groups else _squarings(gen, coords): None}
     # the Taylor coefficients of each group, the same for every layer
-    coefs = [(s, _monomials(coords if members is None else coords[members], s, degree))
+    coefs = [(s, _monomials(coords if members is None else coords[members], s, degree, cache))
              for s, members in groups.items()]
     layers = []
     for g in gen.split(1, dim=1):
-        parts = [_exp_from_monomials(g, coef, s, degree, num_prefix) for s, coef in coefs]
+        parts = [_exp_from_monomials(g, coef, s, degree, num_prefix, cache) for s, coef in coefs]
         layers.append(parts[0][0] if len(parts) == 1 else _regroup(parts, list(groups.values()))[0])
     return layers

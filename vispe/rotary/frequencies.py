@@ -16,7 +16,7 @@ from typing import Callable, Dict, Literal, Optional, Tuple
 
 import torch
 
-__all__ = ['FrequencyScaling', 'FREQUENCY_SCALING', 'axial_frequencies', 'scale_frequencies']
+__all__ = ['FrequencyScaling', 'FREQUENCY_SCALING', 'axial_frequencies', 'mixed_axis_angles', 'scale_frequencies']
 
 FrequencyScaling = Literal['none', 'linear', 'ntk', 'yarn']
 Betas = Tuple[float, float]
@@ -35,6 +35,14 @@ def axial_frequencies(num_pairs: int, theta: float, step: float = 2.0, dim: Opti
     dim = dim if dim is not None else 2 * num_pairs
     k = torch.arange(num_pairs, dtype=dtype, device=device)
     return 1.0 / theta ** (step * k / dim)
+
+
+def mixed_axis_angles(coord: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE-Mixed's angles of one coordinate axis: ``coord`` ``(..., N)`` against learned per-layer,
+    per-head frequencies ``(L, H, P)`` -> ``(L, ..., H, N, P)`` (batch dims before the heads). The sum
+    over axes is the angle of each pair (Heo et al., ECCV 2024)."""
+    f = freqs.reshape(freqs.shape[0], *([1] * (coord.dim() - 1)), freqs.shape[1], 1, freqs.shape[2])
+    return coord.unsqueeze(-1).unsqueeze(-3) * f
 
 
 def _none(freqs: torch.Tensor, factor: float, train_length: float, betas: Betas) -> Tuple[torch.Tensor, float]:

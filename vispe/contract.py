@@ -1,9 +1,12 @@
-"""The encoding contract: one base class, a few hooks, composition.
+"""The encoding contract: one base class, a few hooks, composition, the per-forward object.
 
 An encoding answers *how position enters the network*. It acts by overriding hooks and declares
-once what it does (`Capabilities`); the host (the ViT, DETR, a user's model) asks those names and
-calls every hook through the same interface, and the attention layer keeps its fused path for
-encodings that only touch q and k.
+once what it does (`Capabilities`); the host (the ViT, DETR, a user's model) asks those names.
+Once per forward the host calls ``pe.prepare(pos_q, pos_k)``: the `PreparedPE` it returns knows the
+encoding, the positions and the state built from them (shared by every layer) and offers the hooks
+by name (``prepared.embed(x)``, ``prepared.qk(q, k, layer)``, ...), so blocks take that one object and
+`vispe.pe_attention` applies every attention hook around SDPA. Encodings implement the hooks with
+the state as an argument (``qk(q, k, state, layer)``); hosts call them through the prepared object.
 
 Hook shapes: ``x`` tokens ``(B, N, C)`` (prefix tokens first); ``q, k, v`` ``(B, H, N, hd)``;
 ``bias`` returns an additive logit term ``(B | 1, H | 1, Nq, Nk)`` already in logit units (added
@@ -14,19 +17,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Tuple, \
-    TypeVar, Union
+from typing import Any, Callable, ClassVar, ContextManager, Dict, FrozenSet, Hashable, List, Optional, Sequence, \
+    Tuple, TypeVar, Union
 
 import torch
 from torch import nn
 
-from .._tracing import is_tracing
-from ..options import check_arguments
-from ..positions import Positions
+from ._tracing import is_tracing
+from .options import check_arguments
+from .positions import Positions
 
-__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'Capabilities', 'HOOKS', 'ATTENTION_HOOKS',
-           'resolve_num_axes', 'autocast_off', 'build_with_factory_kwargs']
+__all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'PreparedPE', 'Capabilities', 'TensorCache', 'HOOKS',
+           'ATTENTION_HOOKS', 'resolve_num_axes', 'autocast_off', 'build_with_factory_kwargs']
 
 HOOKS = ('embed', 'between_blocks', 'qk', 'bias', 'value', 'output', 'weights_value')
 ATTENTION_HOOKS = frozenset({'qk', 'bias', 'value', 'output', 'weights_value'})
@@ -175,8 +179,11 @@ class PositionalEncoding(nn.Module):
       ``'cameras'``); a plain image ViT supplies none of them.
 
     State that depends only on positions and parameters is built in `_prepare` once per forward
-    and shared by all layers; `prepare` caches it in eval mode under ``no_grad`` while the
-    positions and parameters are unchanged (never while traced, and inference-mode state apart).
+    and shared by all layers; `prepare` wraps it in a `PreparedPE` and caches it in eval mode under
+    ``no_grad`` while the positions and parameters are unchanged (never while traced, and
+    inference-mode state apart). Tensors an encoding reuses across forwards (tables per grid, bucket
+    ids) go through its `tensor_cache`; both caches are cleared together by `clear_cache` (mode,
+    device, dtype or grid changes, re-initialisation).
 
     Initialisation has one definition, the constructor: `reset_parameters` (called by the ViT's
     ``init_weights``, e.g. after building on the meta device and ``to_empty``) builds a fresh twin
@@ -202,7 +209,7 @@ class PositionalEncoding(nn.Module):
     def __new__(cls, *args: Any, **kwargs: Any) -> 'PositionalEncoding':
         # options are checked against the constructor's typed signature (signature cached per class),
         # so `IRPE(ctx, method='x')` fails as `create_pe('irpe:method=x')` does, before any work
-        check_arguments(cls.__init__, args[1:], kwargs, f'encoding {cls.name or cls.__name__!r}', skip=2)
+        check_arguments(cls, args[1:], kwargs, f'encoding {cls.name or cls.__name__!r}', skip=2)
         self = super().__new__(cls)
         # the constructor's arguments, from which `reset_parameters` builds a fresh twin
         object.__setattr__(self, '_init_args', (args, kwargs))
@@ -211,7 +218,8 @@ class PositionalEncoding(nn.Module):
     def __init__(self, ctx: PEContext) -> None:
         super().__init__()
         self.ctx = ctx
-        self._cache: Optional[Tuple[Positions, Optional[Positions], tuple, Any]] = None
+        self._state_cache: Optional[Tuple[Positions, Optional[Positions], tuple, Any]] = None
+        self.tensor_cache = TensorCache()
 
     # ----------------------------------------------------------------- description
     @property
@@ -263,19 +271,25 @@ class PositionalEncoding(nn.Module):
         return {}
 
     # ----------------------------------------------------------------- state
-    def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> Any:
-        """Build the per-forward state shared by all layers (cached in eval mode)."""
+    def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> 'PreparedPE':
+        """This encoding prepared for one forward over tokens at ``pos_q`` (queries) and ``pos_k`` (keys;
+        default: self-attention, the queries'): the `PreparedPE` every hook of the forward goes through."""
+        return PreparedPE(self, pos_q, pos_k, self.prepared_state(pos_q, pos_k))
+
+    def prepared_state(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> Any:
+        """`_prepare`'s state for these positions, cached in eval mode under ``no_grad`` (not while
+        traced; inference-mode state apart) while the positions and parameters are unchanged."""
         cacheable = not self.training and not torch.is_grad_enabled() and not is_tracing()
         if not cacheable:
             return self._full_precision_prepare(pos_q, pos_k)
         versions = tuple(p._version for p in self.parameters()) + (torch.is_inference_mode_enabled(),)
-        if self._cache is not None:
-            cq, ck, cv, state = self._cache
+        if self._state_cache is not None:
+            cq, ck, cv, state = self._state_cache
             if cv == versions and cq.same_as(pos_q) and (
                     (ck is None and pos_k is None) or (ck is not None and pos_k is not None and ck.same_as(pos_k))):
                 return state
         state = self._full_precision_prepare(pos_q, pos_k)
-        self._cache = (pos_q, pos_k, versions, state)
+        self._state_cache = (pos_q, pos_k, versions, state)
         return state
 
     def _full_precision_prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Any:
@@ -288,20 +302,22 @@ class PositionalEncoding(nn.Module):
         return None
 
     def clear_cache(self) -> None:
-        self._cache = None
+        """Forget the cached state and tensors (they depend on the mode, device, dtype, grid and values)."""
+        self._state_cache = None
+        self.tensor_cache.clear()
 
     def train(self, mode: bool = True) -> 'PositionalEncoding':
-        self._cache = None
+        self.clear_cache()
         return super().train(mode)
 
     def _apply(self, fn, recurse=True):
-        self._cache = None  # device / dtype moves invalidate cached state
+        self.clear_cache()
         return super()._apply(fn, recurse)
 
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         """Adapt grid-shaped parameters to a new training grid (``set_input_size``)."""
         self.ctx = PEContext(**{**self.ctx.__dict__, 'grid_size': tuple(grid_size)})
-        self._cache = None
+        self.clear_cache()
 
     # ----------------------------------------------------------------- initialisation
     @torch.no_grad()
@@ -344,8 +360,10 @@ class PositionalEncoding(nn.Module):
         """Additive embedding ``(N_total, C)`` or ``(B, N_total, C)`` for the tokens of ``pos``."""
         raise NotImplementedError(f'{type(self).__name__} is not an additive encoding')
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        """Once, on the token sequence: ``x + embedding(pos)``."""
+    def embed(self, x: torch.Tensor, pos: Positions, state: Any = None) -> torch.Tensor:
+        """Once, on the token sequence: ``x + embedding(pos)``. ``state`` is this forward's prepared
+        state (None when called directly): an encoding whose table follows its rotations' positions
+        (ComRoPE's absolute table at the training jitter) reads them there."""
         return x
 
     def between_blocks(self, x: torch.Tensor, pos: Positions, index: int) -> torch.Tensor:
@@ -473,8 +491,13 @@ class ComposedPE(PositionalEncoding):
     def adopt_timm_rope(self, rope):
         return {f'encodings.{i}.{k}': v for i, e in enumerate(self.encodings) for k, v in e.adopt_timm_rope(rope).items()}
 
-    def prepare(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> List[Any]:
-        return [e.prepare(pos_q, pos_k) for e in self.encodings]
+    def prepared_state(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> List[Any]:
+        return [e.prepared_state(pos_q, pos_k) for e in self.encodings]
+
+    def clear_cache(self) -> None:
+        super().clear_cache()
+        for e in self.encodings:
+            e.clear_cache()
 
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         super().set_grid_size(grid_size)
@@ -487,9 +510,9 @@ class ComposedPE(PositionalEncoding):
             raise NotImplementedError(f'{self.name} has no additive encoding')
         return sum(parts[1:], parts[0])
 
-    def embed(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        for e in self.encodings:
-            x = e.embed(x, pos)
+    def embed(self, x: torch.Tensor, pos: Positions, state: Any = None) -> torch.Tensor:
+        for i, e in enumerate(self.encodings):
+            x = e.embed(x, pos, None if state is None else state[i])
         return x
 
     def between_blocks(self, x: torch.Tensor, pos: Positions, index: int) -> torch.Tensor:
@@ -526,3 +549,119 @@ class ComposedPE(PositionalEncoding):
         terms = [e.weights_value(attn, s, layer) for e, s in zip(self.encodings, state)
                  if e.capabilities.needs_weights]
         return sum(terms[1:], terms[0])
+
+
+class PreparedPE:
+    """An encoding prepared for one forward: what `PositionalEncoding.prepare` returns.
+
+    It knows the encoding, the positions of the queries and of the keys, and the state built from
+    them once for every layer, and offers the hooks by name, so a host hands its blocks this one
+    object. Hooks the encoding's capabilities leave out are skipped by `vispe.pe_attention` (and are
+    the identity when called here).
+
+    Attributes:
+        encoding: the `PositionalEncoding` (or composition).
+        pos_q: positions of the queries (of every token in self-attention).
+        pos_k: positions of the keys, or None in self-attention.
+        state: what the encoding's ``_prepare`` built (shared by all layers; cached in eval).
+    """
+
+    def __init__(self, encoding: PositionalEncoding, pos_q: Positions, pos_k: Optional[Positions], state: Any
+                 ) -> None:
+        self.encoding = encoding
+        self.pos_q = pos_q
+        self.pos_k = pos_k
+        self.state = state
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.encoding.capabilities
+
+    @property
+    def keys(self) -> Positions:
+        """The positions of the keys (the queries' in self-attention)."""
+        return self.pos_q if self.pos_k is None else self.pos_k
+
+    def check_tokens(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """A clear error when q or k ``(..., N, hd)`` has another token count than its positions (a
+        broadcast error inside a hook otherwise)."""
+        for name, t, pos in (('q', q, self.pos_q), ('k', k, self.keys)):
+            if t.shape[-2] != pos.num_tokens:
+                raise ValueError(
+                    f'encoding {self.encoding.name!r} was prepared for positions of {pos.num_tokens} tokens '
+                    f'({pos.num_prefix} prefix + {pos.coords.shape[-2]} positioned) but {name} has {t.shape[-2]} '
+                    f'(q: {q.shape[-2]}, k: {k.shape[-2]}); prepare it for the tokens attention sees, prefix '
+                    'tokens included (num_prefix=...)')
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens ``(B, N, C)`` with the encoding's embedding (once, before the blocks)."""
+        return self.encoding.embed(x, self.pos_q, self.state)
+
+    def between_blocks(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """The tokens after block ``index``."""
+        return self.encoding.between_blocks(x, self.pos_q, index)
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor, layer: int, x: Optional[torch.Tensor] = None
+           ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q and k mapped in attention layer ``layer`` (``x``: the attention's input, for encodings that
+        declare ``needs_tokens``)."""
+        return self.encoding.qk(q, k, self.state, layer, x=x)
+
+    def bias(self, q: torch.Tensor, k: torch.Tensor, layer: int) -> Optional[torch.Tensor]:
+        """The additive logit term of layer ``layer`` (None: no term)."""
+        return self.encoding.bias(q, k, self.state, layer)
+
+    def value(self, v: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.encoding.value(v, self.state, layer)
+
+    def output(self, o: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.encoding.output(o, self.state, layer)
+
+    def weights_value(self, attn: torch.Tensor, layer: int) -> Optional[torch.Tensor]:
+        return self.encoding.weights_value(attn, self.state, layer)
+
+    def select(self, keep: torch.Tensor) -> 'PreparedPE':
+        """Prepared anew for the tokens kept by token dropping (``keep`` ``(B, K)`` indices of the
+        positioned tokens, `Positions.select`), in self-attention."""
+        if self.pos_k is not None:
+            raise ValueError('select keeps tokens of self-attention; prepare cross-attention for its kept tokens')
+        return self.encoding.prepare(self.pos_q.select(keep))
+
+    def __repr__(self) -> str:
+        return (f'PreparedPE({self.encoding.name or type(self.encoding).__name__}, {self.pos_q.num_tokens} '
+                f'queries' + ('' if self.pos_k is None else f', {self.pos_k.num_tokens} keys') + ')')
+
+
+T = TypeVar('T')
+
+
+class TensorCache:
+    """Tensors an encoding reuses across forwards (a table per grid, bucket ids), least recently used
+    first out. Keys also carry whether inference mode is on (inference tensors cannot be saved for
+    backward); nothing is cached while traced (fake tensors). Owned by `PositionalEncoding` (its
+    ``tensor_cache``), cleared with its state cache."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._entries: 'OrderedDict[Any, Any]' = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], T]) -> T:
+        """The cached value of ``key``, built by ``build()`` when missing."""
+        if is_tracing():
+            return build()
+        key = (key, torch.is_inference_mode_enabled())
+        value = self._entries.get(key)
+        if value is None:
+            value = build()
+            self._entries[key] = value
+            if len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

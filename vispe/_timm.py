@@ -1,0 +1,59 @@
+"""timm's internals, in one place: everything vispe takes from timm's private modules (registry,
+builder, features, rope helpers), and the check of the supported timm versions.
+
+timm's private module names move between releases; every other vispe module imports them from
+here, so a new timm release is adapted to in one file. Importing this module checks the installed
+timm against `SUPPORTED` and fails with the range otherwise.
+"""
+from __future__ import annotations
+
+import re
+from typing import Tuple
+
+import timm
+
+SUPPORTED = ('1.0.28', '1.1')  # lowest tested, first unsupported
+"""The timm versions vispe supports: ``SUPPORTED[0] <= version < SUPPORTED[1]`` (the lowest is tested in CI)."""
+
+
+def _version(text: str) -> Tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r'\d+', text.split('+')[0])[:3])
+
+
+def check_version(version: str = timm.__version__) -> None:
+    """Raise ImportError naming the supported range when ``version`` (default: the installed timm) is
+    outside it."""
+    low, high = SUPPORTED
+    if not _version(low) <= _version(version) < _version(high):
+        raise ImportError(f'vispe supports timm >= {low}, < {high}; timm {version} is installed '
+                          f'(pip install "timm>={low},<{high}")')
+
+
+check_version()
+
+# the imports below are the private names (or names timm's top level does not export) vispe uses
+from timm.data.naflex_transforms import get_image_size_for_seq, patchify_image  # noqa: E402
+from timm.layers.pos_embed_sincos import (  # noqa: E402
+    RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed, RotaryEmbeddingMRope, _apply_coord_augs,
+    freq_bands, init_random_2d_freqs,
+)
+from timm.models import _registry  # noqa: E402
+from timm.models._builder import build_model_with_cfg, load_pretrained, pretrained_cfg_for_features  # noqa: E402
+from timm.models._features import FeatureGetterNet, feature_take_indices  # noqa: E402
+from timm.models._manipulate import checkpoint  # noqa: E402
+from timm.models.naflexvit import create_attention_mask, global_pool_naflex  # noqa: E402
+
+__all__ = [
+    'SUPPORTED', 'check_version', 'model_entrypoints', 'apply_coord_augs',
+    'RotaryEmbeddingCat', 'RotaryEmbeddingDinoV3', 'RotaryEmbeddingMixed', 'RotaryEmbeddingMRope', 'freq_bands',
+    'init_random_2d_freqs', 'build_model_with_cfg', 'load_pretrained', 'pretrained_cfg_for_features',
+    'FeatureGetterNet', 'feature_take_indices', 'checkpoint', 'create_attention_mask', 'global_pool_naflex',
+    'get_image_size_for_seq', 'patchify_image',
+]
+
+apply_coord_augs = _apply_coord_augs
+
+
+def model_entrypoints() -> dict:
+    """timm's registry of model entrypoints (name -> function): timm has no public call that replaces one."""
+    return _registry._model_entrypoints
