@@ -352,7 +352,7 @@ class PositionalEncoding(nn.Module):
     def _copy_from(self, tensors: Dict[str, torch.Tensor]) -> None:
         own = dict(self.named_parameters()) | dict(self.named_buffers())
         for name, value in tensors.items():
-            own[name].copy_(value)
+            _copy_into(own[name], value)
         self.clear_cache()
 
     # ----------------------------------------------------------------- hooks
@@ -394,6 +394,24 @@ class PositionalEncoding(nn.Module):
 
     def extra_repr(self) -> str:
         return self.name
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target.copy_(value)`` for a full (unsharded) ``value``, also where ``target`` is a distributed
+    tensor (a parameter that FSDP2's ``fully_shard`` or tensor parallelism has sharded): ``value`` is laid
+    out as ``target`` (rank 0's copy, scattered over the mesh), so every rank's shard is the
+    corresponding slice of one construction, and sharded and unsharded builds hold the same tensor."""
+    if _is_dtensor(target):
+        from torch.distributed.tensor import distribute_tensor
+        value = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements)
+    target.copy_(value)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
 
 
 # what a hook that an encoding's options switch off returns: its input unchanged, or no term

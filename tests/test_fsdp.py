@@ -1,0 +1,162 @@
+"""FSDP2 (``fully_shard``) with every registered encoding, on 2 CPU ranks (gloo).
+
+The deferred-initialisation path of large models: build on ``device='meta'``, ``fully_shard`` each
+block then the root, ``to_empty``, ``init_weights``. Per encoding, in one spawned job (process start
+and ``import vispe`` paid once):
+
+* ``reset_parameters`` on the sharded (DTensor) encoding gives, gathered, exactly the tensors a CPU
+  construction gives from the same random state, and ``init_weights`` the same spread as a CPU build;
+* a full state dict of a CPU model loaded into the sharded model (``set_model_state_dict``,
+  ``full_state_dict=True, broadcast_from_rank0=True``) gives the CPU model's outputs, forward and
+  gradients of the encoding's parameters.
+
+Encodings that need cameras (no image ViT hosts them) are sharded as their own unit and checked on
+their tensors.
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import TINY
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason='torch built without torch.distributed')
+
+WORLD = 2
+X = (2, 3, TINY['img_size'], TINY['img_size'])
+
+
+def _tensors(module: torch.nn.Module) -> dict:
+    return dict(list(module.named_parameters()) + list(module.named_buffers()))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, 'full_tensor') else t
+
+
+def _vit(pe: str, **kwargs):
+    import timm
+    return timm.create_model('vit_tiny', pe=pe, **TINY, **kwargs)
+
+
+def _shard(model: torch.nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+    for block in getattr(model, 'blocks', []):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _check(pe: str, mesh) -> dict:
+    """One encoding's figures on this rank (every rank computes the same gathered values)."""
+    import vispe
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    cameras = bool(vispe.pe_info(pe)['cls'].requires)
+
+    def build(**kwargs):
+        if cameras:
+            return vispe.create_pe(pe, dim=TINY['embed_dim'], num_heads=TINY['num_heads'], depth=TINY['depth'],
+                                   **kwargs)
+        return _vit(pe, **kwargs)
+
+    torch.manual_seed(0)
+    ref = build().eval()
+    model = build(device='meta')
+    _shard(model, mesh)
+    model.to_empty(device='cpu')
+    enc = model if cameras else model.pe
+    sharded = [n for n, p in enc.named_parameters() if hasattr(p, 'full_tensor')]
+
+    # init_weights / reset_parameters on DTensors: a construction's values, scattered
+    torch.manual_seed(1)
+    (model.reset_parameters if cameras else model.init_weights)()
+    spread = []
+    for name, t in _tensors(ref if cameras else ref.pe).items():
+        got = _full(_tensors(enc)[name])
+        assert torch.isfinite(got).all() if got.is_floating_point() else True, (pe, name)
+        if got.is_floating_point() and got.numel() > 1 and float(t.std()) > 0:
+            spread.append(float(got.std()) / float(t.std()))
+    torch.manual_seed(2)
+    enc.reset_parameters()
+    torch.manual_seed(2)
+    fresh = _tensors(vispe.create_pe(pe, enc.ctx))
+    init_diff = max((float((_full(t).double() - fresh[n].double()).abs().max()) for n, t in _tensors(enc).items()
+                     if t.is_floating_point() and t.numel()), default=0.0)
+    assert all(torch.equal(_full(t), fresh[n]) for n, t in _tensors(enc).items()), pe
+
+    # a full state dict from rank 0 into the sharded model: the CPU model's outputs and gradients
+    full = ref.state_dict() if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    enc.init_non_persistent_buffers()
+    model.eval()
+    if cameras:
+        loaded = max((float((_full(t).double() - _tensors(ref)[n].double()).abs().max())
+                      for n, t in _tensors(enc).items() if t.is_floating_point() and t.numel()), default=0.0)
+        grad_diff = 0.0
+    else:
+        torch.manual_seed(3)
+        x = torch.randn(*X)
+        out, want = model(x), ref(x)
+        loaded = float((out - want).abs().max())
+        out.square().sum().backward()
+        want.square().sum().backward()
+        grads = {n: p.grad for n, p in ref.pe.named_parameters() if p.grad is not None}
+        grad_diff = max((float((_full(p.grad) - grads[n]).abs().max()) for n, p in model.pe.named_parameters()
+                         if p.grad is not None), default=0.0)
+        with torch.no_grad():  # eval forwards reuse the prepared state between forwards: still the CPU model's
+            x = torch.randn(1, 3, 40, 48)
+            for _ in range(2):
+                loaded = max(loaded, float((model(x) - ref(x)).abs().max()))
+    return dict(sharded=len(sharded), spread=(min(spread), max(spread)) if spread else None, init_diff=init_diff,
+                loaded=loaded, grad=grad_diff)
+
+
+def _worker(rank: int, port: int, names, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh('cpu', (WORLD,))
+        rows = {}
+        for pe in names:
+            try:
+                rows[pe] = _check(pe, mesh)
+            except Exception as e:  # reported per encoding, so one failure names itself
+                rows[pe] = dict(error=f'{type(e).__name__}: {e}'[:800])
+        if rank == 0:
+            torch.save(rows, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def fsdp_rows(tmp_path_factory):
+    import vispe
+    names = vispe.list_pes()
+    out = str(tmp_path_factory.mktemp('fsdp') / 'rows.pt')
+    mp.spawn(_worker, args=(_free_port(), names, out), nprocs=WORLD, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def test_every_encoding_initialises_sharded_and_loads_a_full_state_dict(fsdp_rows):
+    import vispe
+    assert sorted(fsdp_rows) == sorted(vispe.list_pes())
+    errors = {pe: r['error'] for pe, r in fsdp_rows.items() if 'error' in r}
+    assert not errors, errors
+    for pe, r in fsdp_rows.items():
+        assert r['init_diff'] == 0.0, pe  # exactly a construction's values, whatever the sharding
+        if r['spread'] is not None:  # init_weights draws from the construction's distribution
+            assert 0.5 < r['spread'][0] and r['spread'][1] < 2.0, (pe, r['spread'])
+        assert r['loaded'] <= 1e-5 and r['grad'] <= 1e-5, (pe, r)
+    # the test shards something: every encoding with parameters has DTensor parameters
+    assert sum(r['sharded'] for r in fsdp_rows.values()) > 0
