@@ -1,4 +1,4 @@
-"""Process group setup for ``torchrun`` (DDP: nccl on GPUs, gloo on CPU) and rank-aware helpers.
+"""Process group setup for ``torchrun`` (DDP or FSDP2: nccl on GPUs, gloo on CPU) and rank-aware helpers.
 
 Under ``torchrun`` the environment carries ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; without it
 the script runs as a single process. Each rank drives one device (its local GPU, or the CPU).
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from .config import ConfigError
 
 __all__ = ['DistEnv', 'init_distributed', 'shutdown_distributed', 'all_reduce_sum', 'all_gather_objects',
-           'barrier', 'broadcast_object']
+           'barrier', 'broadcast_object', 'fully_shard_model', 'full_model_state', 'load_full_model_state',
+           'full_optimizer_state', 'load_full_optimizer_state']
 
 _logger = logging.getLogger(__name__)
 
@@ -120,3 +121,46 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+# ---------------------------------------------------------------------- FSDP2
+def fully_shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` each block of ``model`` (its ``blocks``, when it has them), then the root,
+    over all processes. The positional encoding stays in the root's unit: its parameters are gathered
+    for the whole forward, so the blocks' attention hooks read them unsharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in getattr(model, 'blocks', None) or []:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full_options(**kwargs: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_model_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The unsharded state dict of a sharded model, on the CPU (collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model, options=_full_options(cpu_offload=True))
+
+
+def load_full_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict into a sharded model (collective)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(model, state, options=_full_options())
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The unsharded optimizer state of a sharded model, keyed by parameter name (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              state: Dict[str, Any]) -> None:
+    """Load `full_optimizer_state`'s dict into the optimizer of a sharded model (collective)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, state, options=_full_options())

@@ -1,4 +1,4 @@
-"""The training loop shared by every task: one process, one GPU, or DDP under torchrun.
+"""The training loop shared by every task: one process, one GPU, or DDP / FSDP2 under torchrun.
 
 What it guarantees:
 
@@ -41,7 +41,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from .checkpoint import CHECKPOINT_VERSION, CheckpointError, atomic_save, load_checkpoint, remove_stale_temporaries
 from .config import Config, ConfigError, to_dict
 from .data import ShardSampler, TrainSampler, make_loader
-from .distributed import DistEnv, all_gather_objects, all_reduce_sum, broadcast_object
+from .distributed import (
+    DistEnv, all_gather_objects, all_reduce_sum, broadcast_object, full_model_state, full_optimizer_state,
+    fully_shard_model, load_full_model_state, load_full_optimizer_state,
+)
 from .logs import CsvLog, TensorBoardLog, add_file_log, progress, tensorboard_enabled
 from .rng import derive_seed, get_rng_state, set_rng_state
 from .tasks import Task, get_task
@@ -143,6 +146,13 @@ class Trainer:
         self.eval_set = self.task.eval_dataset()
         self.model = model.to(self.device)
         self.params = sum(p.numel() for p in model.parameters())
+        # FSDP2 shards the parameters in place, before the optimizer takes them
+        self.fsdp = env.distributed and t.parallel == 'fsdp'
+        if self.fsdp:
+            if t.ema.enabled:
+                raise ConfigError("train.ema.enabled: the EMA keeps a full copy of the model, which "
+                                  "train.parallel='fsdp' does not; use train.parallel='ddp' or disable the EMA")
+            fully_shard_model(model, self.device)
         self.spec = self.task.model_spec(model)
         self.label = pe_label(self.spec)
 
@@ -184,7 +194,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype == torch.float16 else None
 
         self.ddp: nn.Module = model
-        if env.distributed:
+        if env.distributed and not self.fsdp:
             self.ddp = DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == 'cuda' else None,
                 find_unused_parameters=t.find_unused_parameters)
@@ -216,10 +226,15 @@ class Trainer:
     def best_path(self) -> Path:
         return self.run_dir / 'best.pt'
 
-    def _state(self, rng: List[Dict[str, Any]]) -> Dict[str, Any]:
+    def _model_state(self) -> Dict[str, torch.Tensor]:
+        """The model's unsharded state dict (collective under FSDP2: every rank calls it)."""
+        return full_model_state(self.model) if self.fsdp else self.model.state_dict()
+
+    def _state(self, rng: List[Dict[str, Any]], model: Dict[str, torch.Tensor], optimizer: Dict[str, Any]
+               ) -> Dict[str, Any]:
         return dict(
             version=CHECKPOINT_VERSION, config=to_dict(self.cfg), model_spec=self.spec,
-            model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+            model=model, optimizer=optimizer, parallel='fsdp' if self.fsdp else 'ddp',
             scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
             scaler=self.scaler.state_dict() if self.scaler is not None else None,
             ema=self.ema.module.state_dict() if self.ema is not None else None,
@@ -231,8 +246,11 @@ class Trainer:
     def save_checkpoint(self) -> None:
         rng = all_gather_objects(get_rng_state())  # every rank's streams, collective
         self._share_unreadable()
+        # under FSDP2 the unsharded state is gathered by every rank (collective) and written by rank 0
+        model = self._model_state()
+        optimizer = full_optimizer_state(self.model, self.optimizer) if self.fsdp else self.optimizer.state_dict()
         if self.env.is_main:
-            atomic_save(self._state(rng), self.checkpoint_path)
+            atomic_save(self._state(rng, model, optimizer), self.checkpoint_path)
             _logger.debug('checkpoint: epoch %d batch %d step %d', self.epoch, self.batch_in_epoch, self.step)
 
     def _resume(self) -> None:
@@ -255,8 +273,16 @@ class Trainer:
         if ckpt['model_spec'] != self.spec:
             raise ConfigError(f'train.resume: {str(path)!r} holds another model ({ckpt["model_spec"]}) '
                               f'than this config ({self.spec})')
-        self.model.load_state_dict(ckpt['model'])
-        self.optimizer.load_state_dict(ckpt['optimizer'])
+        saved_by = ckpt.get('parallel', 'ddp')
+        if (saved_by == 'fsdp') != self.fsdp:  # the optimizer states are keyed differently (names / indices)
+            raise ConfigError(f"train.resume: {str(path)!r} was written with train.parallel={saved_by!r}; resume it "
+                              f"with the same setting (its weights load into any run through model.pretrained_file)")
+        if self.fsdp:
+            load_full_model_state(self.model, ckpt['model'])
+            load_full_optimizer_state(self.model, self.optimizer, ckpt['optimizer'])
+        else:
+            self.model.load_state_dict(ckpt['model'])
+            self.optimizer.load_state_dict(ckpt['optimizer'])
         if self.scheduler is not None and ckpt.get('scheduler') is not None:
             self.scheduler.load_state_dict(ckpt['scheduler'])
         if self.scaler is not None and ckpt.get('scaler') is not None:
@@ -315,8 +341,11 @@ class Trainer:
         bs = batch_size or getattr(self.cfg.data, 'eval_batch_size', None) or 2 * self.cfg.train.batch_size
         loader = self._loader(dataset, ShardSampler(dataset, self.env.rank, self.env.world_size), bs, False, 0)
         bar = progress(self.cfg.log.progress, self.env.is_main, total=len(loader), desc='eval')
+        batches = _counting(loader, bar)
+        if self.fsdp:  # every forward of a sharded model is collective: the same count of batches on every rank
+            batches = _padded_with_empty(batches, len(loader), max(all_gather_objects(len(loader))))
         try:
-            return self.task.evaluate(model, _counting(loader, bar), self.device, self.autocast,
+            return self.task.evaluate(model, batches, self.device, self.autocast,
                                       lambda sums: all_reduce_sum(sums, self.device))
         finally:
             bar.close()
@@ -415,6 +444,9 @@ class Trainer:
         improved = self._improved(value)
         if improved:
             self.best = dict(metric=self.task.metric, value=value, epoch=self.epoch, step=self.step)
+        best_weights = None
+        if improved:  # metrics are reduced over ranks, so every rank agrees (the FSDP2 gather is collective)
+            best_weights = self.ema.module.state_dict() if chosen is not metrics else self._model_state()
         if self.env.is_main:
             csv_log.write(row)
             tb.write('eval', row, self.step)
@@ -422,9 +454,8 @@ class Trainer:
                          ', '.join(f'{k} {v:.4g}' for k, v in row.items() if k not in ('epoch', 'step')),
                          ' (best)' if improved else '')
             if improved:
-                weights = self.ema.module if chosen is not metrics else self.model
                 atomic_save(dict(version=CHECKPOINT_VERSION, config=to_dict(self.cfg), model_spec=self.spec,
-                                 model=weights.state_dict(), weights='ema' if chosen is not metrics else 'model',
+                                 model=best_weights, weights='ema' if chosen is not metrics else 'model',
                                  metrics=dict(chosen), epoch=self.epoch, step=self.step), self.best_path)
 
     def fit(self) -> RunResult:
@@ -471,3 +502,33 @@ def _counting(loader, bar):
     for batch in loader:
         yield batch
         bar.update(1)
+
+
+def _padded_with_empty(batches, count: int, total: int):
+    """``batches`` (``count`` of them), then empty batches (every tensor cut to length 0, every list
+    emptied) shaped as the first, up to ``total``: a rank with fewer evaluation batches still joins
+    each collective forward of a sharded model, and adds nothing to the metric sums."""
+    first = None
+    for batch in batches:
+        first = batch if first is None else first
+        yield batch
+    if count < total and first is None:
+        raise RuntimeError('a process has no evaluation batch while others have some; the evaluation set is '
+                           'smaller than the number of processes')
+    for _ in range(total - count):
+        yield _empty_like(first)
+
+
+def _empty_like(batch: Any, top: bool = True) -> Any:
+    """``batch`` with no samples: tensors cut to length 0; the batch's own fields (its top-level list,
+    tuple or dict) kept, nested per-sample lists (detection targets) emptied."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {k: _empty_like(v, False) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        if not top:
+            return type(batch)() if type(batch) in (list, tuple) else batch[:0]
+        items = [_empty_like(v, False) for v in batch]
+        return items if isinstance(batch, list) else type(batch)(items)
+    return batch

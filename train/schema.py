@@ -104,6 +104,9 @@ class TrainConfig:
     checkpoint_every: Optional[int] = option(None, 'also checkpoint every N optimizer steps (mid-epoch)', min=1)
     resume: Optional[str] = option(None, "'auto' (this run's checkpoint.pt if present) or a checkpoint path")
     compile: bool = option(False, 'torch.compile the model')
+    parallel: Literal['ddp', 'fsdp'] = option(
+        'ddp', "under torchrun: 'ddp' (a full replica per process) or 'fsdp' (FSDP2 fully_shard of each block, "
+               "then the root: parameters, gradients and optimizer state sharded over the processes)")
     find_unused_parameters: bool = option(False, 'DDP find_unused_parameters (models with unused weights)')
     ema: EmaConfig = option(factory=EmaConfig)
 
