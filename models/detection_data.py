@@ -22,11 +22,15 @@ import numpy as np
 import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
-from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 from torch.utils.data import Dataset
 
+from vispe.extras import require
+
 from .detr import pad_images
+
+_cocotools = 'COCO datasets and evaluation (vispe_models.detection_data)'
+COCO = require('pycocotools.coco', _cocotools).COCO
+COCOeval = require('pycocotools.cocoeval', _cocotools).COCOeval
 
 __all__ = ['SyntheticShapes', 'CocoDetection', 'DetectionTransform', 'collate_detection', 'CocoEvaluator',
            'coco_from_dict', 'IMAGENET_MEAN', 'IMAGENET_STD', 'SHAPE_CATEGORIES']

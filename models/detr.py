@@ -37,12 +37,12 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 import torchvision
-from scipy.optimize import linear_sum_assignment
 from torch import nn
 from torchvision.ops import box_convert, generalized_box_iou
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 import vispe
+from vispe.extras import require
 
 __all__ = ['DETR', 'Backbone', 'Transformer', 'HungarianMatcher', 'SetCriterion', 'postprocess', 'pad_images',
            'MLP']
@@ -469,6 +469,7 @@ class HungarianMatcher(nn.Module):
     def forward(self, outputs: Dict[str, torch.Tensor], targets: Sequence[Dict[str, torch.Tensor]]
                 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """Per image ``(query indices, target indices)``, sorted by query."""
+        linear_sum_assignment = require('scipy.optimize', "DETR's Hungarian matching").linear_sum_assignment
         matches = []
         for c in self.cost_matrices(outputs, targets):
             i, j = linear_sum_assignment(c.numpy())

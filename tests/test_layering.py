@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Inside vispe: a module may import its own package and any module of a lower layer, nothing above.
 # The first matching prefix gives a module's layer.
 VISPE_LAYERS: List[Tuple[str, ...]] = [
-    ('vispe._dtypes', 'vispe._tracing', 'vispe.options', 'vispe._timm'),  # no vispe imports
+    ('vispe._dtypes', 'vispe._tracing', 'vispe.options', 'vispe._timm', 'vispe.extras'),  # no vispe imports
     ('vispe.cameras',),
     ('vispe.positions',),
     ('vispe.contract',),  # what an encoding is: the hooks, PEContext, PreparedPE

@@ -38,9 +38,9 @@ def test_the_private_import_check_sees_private_names():
     assert not _private_timm_imports('from timm.layers import trunc_normal_')
 
 
-@pytest.mark.parametrize('version', ['1.0.20', '1.0.27', '1.1.0', '2.0'])
+@pytest.mark.parametrize('version', ['1.0.20', '1.0.30', '1.1.0', '2.0'])
 def test_timm_outside_the_supported_range_is_refused_with_the_range(version):
-    with pytest.raises(ImportError, match=r'vispe supports timm >= 1\.0\.28, < 1\.1; timm ' + version.replace('.', r'\.')):
+    with pytest.raises(ImportError, match=r'vispe supports timm >= 1\.0\.31, < 1\.1; timm ' + version.replace('.', r'\.')):
         _timm.check_version(version)
 
 

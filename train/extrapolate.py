@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 
+from vispe.extras import require
+
 from .checkpoint import load_checkpoint
 from .config import ConfigError, apply_overrides, build_config, load_yaml, merge_trees, parse_overrides
 from .data import ShardSampler, make_loader
@@ -210,7 +212,7 @@ def write_reports(rows: Sequence[Dict[str, Any]], out_dir: Path) -> Dict[str, Pa
 
 
 def _plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    matplotlib = require('matplotlib', 'the extrapolation plot')
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 

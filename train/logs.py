@@ -116,7 +116,7 @@ def tensorboard_enabled(mode: str) -> bool:
     installed = importlib.util.find_spec('tensorboard') is not None
     if mode == 'on' and not installed:
         raise ConfigError("log.tensorboard: 'on' needs the tensorboard package, which is not installed; "
-                          "pip install tensorboard, or set log.tensorboard=auto (events when installed) or off")
+                          'pip install "vispe[tensorboard]", or set log.tensorboard=auto (events when installed) or off')
     return mode != 'off' and installed
 
 

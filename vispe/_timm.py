@@ -12,7 +12,7 @@ from typing import Tuple
 
 import timm
 
-SUPPORTED = ('1.0.28', '1.1')  # lowest tested, first unsupported
+SUPPORTED = ('1.0.31', '1.1')  # lowest tested, first unsupported
 """The timm versions vispe supports: ``SUPPORTED[0] <= version < SUPPORTED[1]`` (the lowest is tested in CI)."""
 
 

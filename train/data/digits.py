@@ -17,6 +17,8 @@ from typing import Union
 import numpy as np
 from PIL import Image
 
+from vispe.extras import require
+
 __all__ = ['write_digits', 'DIGITS_VAL_SIZE']
 
 _logger = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ def write_digits(root: Union[str, Path], val_size: int = DIGITS_VAL_SIZE, seed: 
     if root.exists():
         return root
     try:
-        from sklearn.datasets import load_digits
+        load_digits = require('sklearn.datasets', 'the digits data set').load_digits
     except ImportError as e:
         raise ImportError("the digits data needs scikit-learn: pip install scikit-learn") from e
     digits = load_digits()
