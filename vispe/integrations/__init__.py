@@ -1,0 +1,1 @@
+"""Adapters that put vispe encodings into other libraries' models (each imports its library lazily)."""
