@@ -38,10 +38,7 @@ def write_digits(root: Union[str, Path], val_size: int = DIGITS_VAL_SIZE, seed: 
     root = Path(root).expanduser()
     if root.exists():
         return root
-    try:
-        load_digits = require('sklearn.datasets', 'the digits data set').load_digits
-    except ImportError as e:
-        raise ImportError("the digits data needs scikit-learn: pip install scikit-learn") from e
+    load_digits = require('sklearn.datasets', 'the digits data set').load_digits
     digits = load_digits()
     n = len(digits.target)
     if not 0 < val_size < n:
