@@ -43,7 +43,8 @@ def encoding_rows(model: str = 'vit_small') -> List[Dict[str, str]]:
             pe = _standalone(name)
             params = f'{sum(p.numel() for p in pe.parameters()):,} (standalone)'
         else:
-            net = timm.create_model(model, pe=name, num_classes=0)
+            # on the meta device: the facts and parameter counts without allocating or initialising weights
+            net = timm.create_model(model, pe=name, num_classes=0, device='meta')
             pe = net.pe
             params = f'{sum(p.numel() for p in pe.parameters()):,}'
         inv = cls.shift_invariant
