@@ -16,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import sys
 import typing
+from pathlib import Path
 from typing import Any, List
 
+_ROOT = str(Path(__file__).resolve().parents[2])
 _MARKER = re.compile(r'^<!-- gen:([a-z-]+)(?: ([^>]*?))? -->$', re.M)
 
 
@@ -128,6 +131,14 @@ def render(markdown: str) -> str:
         args = (m.group(2),) if m.group(2) else ()
         return GENERATORS[m.group(1)](*args)
     return _MARKER.sub(fill, markdown)
+
+
+def on_config(config: Any, **kwargs: Any) -> Any:
+    # the docs describe the checkout they are built from, whatever vispe is installed elsewhere
+    # (mkdocs restores sys.path after loading a hook module, so this runs as an event)
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    return config
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
