@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
 import vispe  # noqa: E402
+from _results import write_results  # noqa: E402
 from _timing import compare, eval_step  # noqa: E402
 
 # one encoding per family: none, additive table, rotary, learned rotation, relative bias, convolution, PaPE
@@ -93,6 +94,8 @@ def main(argv=None) -> None:
     ap.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
     ap.add_argument('--clock', default='wall', choices=['wall', 'process'])
     ap.add_argument('--smoke', action='store_true', help='a tiny model, one round (a check that it runs)')
+    ap.add_argument('--json', default=None, metavar='PATH',
+                    help='also write the results with date, hardware and versions (benchmarks/make_figures.py)')
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -117,6 +120,12 @@ def main(argv=None) -> None:
     for spec, r in results.items():
         print(f'| `{spec}` | {r["naflex_ms"]:.1f} | {r["padded_ms"]:.1f} | {r["naflex_tps"]:.0f} | '
               f'{r["padded_tps"]:.0f} | {r["ratio"]:.2f}x |')
+
+    if args.json:
+        params = dict(model=model_name, batch=batch, budget=budget, long_side=long_side, rounds=rounds,
+                      dtype=args.dtype, clock=args.clock, aspects=[list(a) for a in ASPECTS[:batch]], tokens=tokens)
+        write_results(args.json, 'naflex_throughput',
+                      'python benchmarks/naflex_throughput.py ' + ' '.join(argv or sys.argv[1:]), params, results, device)
 
 
 if __name__ == '__main__':

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
 import vispe  # noqa: E402
+from _results import write_results  # noqa: E402
 from _timing import compare, compile_models, eval_step, peak_memory, train_step  # noqa: E402
-
 
 
 def _model(name: str, pe: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -69,6 +69,8 @@ def main(argv=None) -> None:
                     help="'process': CPU time of this process, for a machine shared with other jobs")
     ap.add_argument('--compile', action='store_true',
                     help='time torch.compile(fullgraph=True) models (ratios against compiled none)')
+    ap.add_argument('--json', default=None, metavar='PATH',
+                    help='also write the ratios with date, hardware and versions (benchmarks/make_figures.py)')
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,14 +78,20 @@ def main(argv=None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     print(f'device={device} dtype={args.dtype} batch={args.batch} size={args.size} '
           f'threads={torch.get_num_threads()} clock={args.clock} compiled={args.compile}')
+    recorded = {}
     for name in args.models:
-        res = bench(name, pes, args.batch, args.size, args.rounds, device, dtype, not args.no_memory, args.clock,
+        res = recorded[name] = bench(name, pes, args.batch, args.size, args.rounds, device, dtype, not args.no_memory, args.clock,
                     args.compile)
         base = res['none']
         print(f'\n{name}: none eval {base["eval_ms"]:.1f} ms, train {base["train_ms"]:.1f} ms')
         print(f'{"encoding":<24}{"eval x":>9}{"train x":>9}{"memory x":>10}')
         for pe, r in res.items():
             print(f'{pe:<24}{r["eval"]:>9.3f}{r["train"]:>9.3f}{r["memory"]:>10.3f}')
+    if args.json:
+        params = dict(models=args.models, batch=args.batch, size=args.size, rounds=args.rounds, dtype=args.dtype,
+                      clock=args.clock, compiled=args.compile, memory=not args.no_memory)
+        write_results(args.json, 'pe_overhead', 'python benchmarks/pe_overhead.py ' + ' '.join(argv or sys.argv[1:]),
+                      params, recorded, device)
 
 
 if __name__ == '__main__':

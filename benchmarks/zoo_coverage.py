@@ -1,4 +1,4 @@
-"""The README's zoo tables: which timm ViT entrypoints build with which vispe encoding, and the
+"""The zoo tables of docs/zoo.md: which timm ViT entrypoints build with which vispe encoding, and the
 weights-parity list (timm model -> max |logit difference| of vispe's model with the model's own
 encoding, loaded from the same timm state dict through ``pretrained=True``).
 
@@ -75,7 +75,7 @@ PARITY: Dict[str, dict] = {
     'vit_base_patch16_sapiens2': dict(TINY, num_kv_heads=1, img_size=256),  # grouped-query attention
 }
 
-# README families: the first pattern a name matches
+# the families of docs/zoo.md: the first pattern a name matches
 FAMILIES: List[Tuple[str, str]] = [
     ('DINOv2', r'dinov2'), ('DINOv3', r'dinov3'), ('SigLIP / SigLIP2', r'siglip'), ('CLIP / MetaCLIP / DFN', r'clip'),
     ('EVA-02', r'^eva02'), ('EVA', r'^eva'), ('Perception Encoder', r'_pe_'),

@@ -5,7 +5,7 @@ rigs) reuse the one graph.
 The default run compiles a representative handful (one per mechanism; a train step on new sizes for
 one of them) and every camera encoding on new rigs (dynamo alone); `-m slow` runs each check that
 the default run makes on a subset, and the camera encodings under inductor, with every registered
-image encoding, the learned block rotations, the README's compositions and every camera encoding. Parity with eager is checked under inductor. The
+image encoding, the learned block rotations, the compositions the README and the docs name and every camera encoding. Parity with eager is checked under inductor. The
 dynamic-shape tests count compilations under lighter backends (dynamo alone in eval; AOT autograd
 with inductor's decompositions for a train step, so the backward is traced with symbolic shapes
 too): whether a size recompiles is decided by dynamo's guards, before any code is generated.
@@ -26,14 +26,16 @@ from torch import nn
 import vispe
 from conftest import TINY, image_pes, random_intrinsics, random_poses
 
-README = Path(__file__).resolve().parents[1] / 'README.md'
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / 'README.md'
+DOC_PAGES = [README, *sorted((ROOT / 'docs').rglob('*.md'))]  # the README and the docs name compositions
 
 # one encoding per mechanism: a table added to the tokens, a pair rotation, a learned block
 # rotation, a logit bias, a conv between blocks, a q/k/v/output map, a widening q/k map
 REPRESENTATIVE = ['learned', 'rope_axial', 'liere', 'irpe', 'peg', 'gta', 'pape_ri']
 # ComRoPE's default block of 2 is a pair rotation; larger blocks take the learned-exponential path
 BLOCK_ROTATIONS = ['comrope_ap:block=4', 'comrope_ld:block=4']
-# the README's compositions (`test_the_readme_compositions_are_compiled`) and the converted
+# the compositions of the README and the docs (`test_the_readme_compositions_are_compiled`) and the converted
 # timm models' own encodings (the zoo table's learned+rope_timm:cat / :mixed)
 COMPOSITIONS = ['rope_mixed+learned', 'rope_axial+learned', 'irpe+learned', 'sincos+rope_axial', 'detr_sine+irpe',
                 'detr_sine+irpe:on=k', 'irpe+pape', 'pape+irpe', 'learned+rope_timm:rope_type=cat',
@@ -193,11 +195,12 @@ def _dynamic_train_step(build: Callable[[], nn.Module], inputs: Sequence[Inputs]
 
 
 def _readme_compositions() -> Set[str]:
-    """The composed specs the README names (``a+b``, every part a registered encoding), canonical.
+    """The composed specs the README and the docs name (``a+b``, every part a registered encoding), canonical.
     Shorthand that is no spec (the zoo table's ``learned+rope_timm:cat``) is left out."""
     names = set(vispe.list_pes())
     found = set()
-    for word in re.split(r"[\s'\"`|()\[\]{}]+", README.read_text()):
+    text = ' '.join(page.read_text() for page in DOC_PAGES if page.is_file())
+    for word in re.split(r"[\s'\"`|()\[\]{}]+", text):
         word = word.strip('.,;:')
         parts = word.split('+')
         if len(parts) > 1 and all(p.split(':')[0] in names for p in parts):
@@ -238,9 +241,9 @@ def test_dynamic_shapes_take_new_camera_rigs_without_recompiling(name):
 @pytest.mark.skipif(not README.is_file(), reason='README not shipped')
 def test_the_readme_compositions_are_compiled():
     shown = _readme_compositions()
-    assert shown, 'no composition found in the README'
+    assert shown, 'no composition found in the README and the docs'
     missing = shown - {vispe.format_pe_spec(s) for s in COMPOSITIONS}
-    assert not missing, f'add the README compositions {sorted(missing)} to COMPOSITIONS'
+    assert not missing, f'add the documented compositions {sorted(missing)} to COMPOSITIONS'
 
 
 # ------------------------------------------------------------------ -m slow: every encoding

@@ -45,7 +45,7 @@ class Expect(NamedTuple):
 
 
 # Every image encoding and what it learns in the quickstart budget. Each minimum sits below the lowest
-# top-1 seen over two to six seeds (README, "Does every encoding learn position?").
+# top-1 seen over two to six seeds (docs/training.md, "Does every encoding learn position?").
 LEARNS = {
     # relative encodings in q / k (and v): the relation directly
     'rope_axial': Expect('rope_axial', 'relation', 90),
@@ -127,7 +127,7 @@ def train_top1(spec: str, task: str, *, seed: int = 0, steps: int = 300, batch_s
 
 
 def test_every_image_encoding_has_a_learning_expectation():
-    assert sorted([*LEARNS, *TOO_SLOW]) == sorted(image_pes()), 'add the new encoding to LEARNS and the README table'
+    assert sorted([*LEARNS, *TOO_SLOW]) == sorted(image_pes()), 'add the new encoding to LEARNS and the table in docs/training.md'
 
 
 @pytest.mark.slow

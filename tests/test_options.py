@@ -11,7 +11,9 @@ from vispe.contract import PEContext, PositionalEncoding
 from vispe.options import coerce, format_value, signature_options
 
 CTX = dict(dim=32, num_heads=2, depth=2, grid_size=(4, 4))
-README = Path(__file__).resolve().parents[1] / 'README.md'
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / 'README.md'
+DOC_PAGES = [README, *sorted((ROOT / 'docs').rglob('*.md'))]  # specs shown in the README and the docs
 
 
 # ------------------------------------------------------------------ the coercer
@@ -220,7 +222,8 @@ def test_format_refuses_what_parse_refuses():
 
 
 def _readme_specs() -> List[str]:
-    return sorted(set(re.findall(r"""\bpe=['"]([^'"]+)['"]""", README.read_text())))
+    text = ' '.join(page.read_text() for page in DOC_PAGES if page.is_file())
+    return sorted(set(re.findall(r"""\bpe=['"]([^'"]+)['"]""", text)))
 
 
 @pytest.mark.skipif(not README.is_file(), reason='README not shipped')

@@ -1,6 +1,6 @@
 """timm's ViT zoo with any encoding (`vispe.zoo`): wrapped entrypoints, `vispe.convert`, weights parity.
 
-Parity (`benchmarks.zoo_coverage.parity`, whose table the README shows): a random-init tiny timm model
+Parity (`benchmarks.zoo_coverage.parity`, whose table docs/zoo.md shows): a random-init tiny timm model
 (its attention sharpened so that positions change the logits by far more than the tolerance) is
 saved to a file and loaded by the wrapped entrypoint with ``pe=timm_pe_spec(model)``,
 ``pretrained=True`` and ``pretrained_cfg_overlay=dict(file=...)``: timm's own loader and filters

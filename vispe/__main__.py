@@ -1,12 +1,13 @@
 """``python -m vispe``: build a ViT with every registered encoding and print the encoding table.
 
     python -m vispe                 # plain-text table, parameter counts on ViT-S/16
-    python -m vispe --markdown      # the README's encoding table
+    python -m vispe --markdown      # the encoding table of the README and the docs
     python -m vispe --model vit_base
 """
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Dict, List
 
 import timm
@@ -42,7 +43,8 @@ def encoding_rows(model: str = 'vit_small') -> List[Dict[str, str]]:
             pe = _standalone(name)
             params = f'{sum(p.numel() for p in pe.parameters()):,} (standalone)'
         else:
-            net = timm.create_model(model, pe=name, num_classes=0)
+            # on the meta device: the facts and parameter counts without allocating or initialising weights
+            net = timm.create_model(model, pe=name, num_classes=0, device='meta')
             pe = net.pe
             params = f'{sum(p.numel() for p in pe.parameters()):,}'
         inv = cls.shift_invariant
@@ -54,22 +56,33 @@ def encoding_rows(model: str = 'vit_small') -> List[Dict[str, str]]:
     return rows
 
 
+_COLUMNS = (('name', 'encoding'), ('family', 'family'), ('acts_on', 'acts on'), ('shift_invariant', 'shift-inv.'),
+            ('larger_input', 'larger input'), ('flash', 'flash'), ('params', 'params ({model})'), ('paper', 'paper'))
+
+
+@functools.lru_cache(maxsize=None)
+def markdown_table(model: str = 'vit_small') -> str:
+    """The encoding table in markdown, one row per registered encoding (the README's and the docs').
+    Cached: building a model per encoding takes seconds, and the docs build asks several times."""
+    torch.manual_seed(0)
+    rows = encoding_rows(model)
+    lines = ['| ' + ' | '.join(h.format(model=model) for _, h in _COLUMNS) + ' |',
+             '|' + '|'.join('---' for _ in _COLUMNS) + '|']
+    lines += ['| ' + ' | '.join(f'`{r[k]}`' if k == 'name' else r[k] for k, _ in _COLUMNS) + ' |' for r in rows]
+    return '\n'.join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description='List vispe encodings with the facts of each.')
     ap.add_argument('--model', default='vit_small', help='host model for parameter counts')
-    ap.add_argument('--markdown', action='store_true', help='print the README table')
+    ap.add_argument('--markdown', action='store_true', help='print the table of the README and the docs')
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown_table(args.model))
+        return
     torch.manual_seed(0)
     rows = encoding_rows(args.model)
-    cols = [('name', 'encoding'), ('family', 'family'), ('acts_on', 'acts on'), ('shift_invariant', 'shift-inv.'),
-            ('larger_input', 'larger input'), ('flash', 'flash'), ('params', f'params ({args.model})'),
-            ('paper', 'paper')]
-    if args.markdown:
-        print('| ' + ' | '.join(h for _, h in cols) + ' |')
-        print('|' + '|'.join('---' for _ in cols) + '|')
-        for r in rows:
-            print('| ' + ' | '.join(f'`{r[k]}`' if k == 'name' else r[k] for k, _ in cols) + ' |')
-        return
+    cols = [(k, h.format(model=args.model)) for k, h in _COLUMNS]
     widths = {k: max(len(h), *(len(r[k]) for r in rows)) for k, h in cols if k != 'paper'}
     print('  '.join(h.ljust(widths[k]) for k, h in cols if k != 'paper'))
     for r in rows:

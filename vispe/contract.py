@@ -168,7 +168,7 @@ class PositionalEncoding(nn.Module):
     """Base class of every vispe encoding.
 
     Subclasses override the hooks they use (the others are identities) and describe themselves
-    with class attributes, which the registry and the README table read:
+    with class attributes, which the registry and the encoding table (python -m vispe) read:
 
     * ``shift_invariant``: True if attention logits depend only on position differences, False if
       not, None when the notion does not apply (absolute encodings);
