@@ -81,12 +81,15 @@ def _version_tuple(v: str) -> Tuple[int, ...]:
     return tuple(out)
 
 
-def _check_transformers() -> str:
+def _installed_transformers() -> str:
     try:
-        transformers = importlib.import_module('transformers')
+        return importlib.import_module('transformers').__version__
     except ImportError as e:
         raise ImportError('patch_vlm needs transformers (pip install "transformers>=5.25,<6")') from e
-    v = transformers.__version__
+
+
+def _check_transformers() -> str:
+    v = _installed_transformers()
     lo, hi = SUPPORTED_TRANSFORMERS
     if not _version_tuple(lo) <= _version_tuple(v) < _version_tuple(hi):
         raise RuntimeError(f'patch_vlm supports transformers >= {lo}, < {hi} (the 5.x get_rope_index / '
