@@ -642,3 +642,40 @@ def test_apply_rotary_is_transformers_bit_for_bit_in_float32_and_rounds_once_in_
     theirs = llama.apply_rotary_pos_emb(qb, kb, cos.bfloat16(), sin.bfloat16())
     once = llama.apply_rotary_pos_emb(qb.float(), kb.float(), cos, sin)  # float32, then one rounding
     assert torch.equal(ours[0], once[0].bfloat16()) and not torch.equal(ours[0], theirs[0])
+
+
+# ---------------------------------------------------------------------------------------------- HoPE, Circle-RoPE
+def test_circlerope_puts_each_frame_on_a_circle_orthogonal_to_the_text_axis():
+    ids, _ = mm.position_ids([mm.Text(3), mm.Video(grid=(2, 6, 8)), mm.Text(2)], scheme='circlerope', radius=4.0)
+    ring0, ring1 = ids[:, 3:15].t(), ids[:, 15:27].t()  # 2 frames of 3 x 4 merged tokens
+    along = ring0.mean(1, keepdim=True)  # the projection on (1, 1, 1) / sqrt 3, per token
+    ortho = ring0 - along
+    torch.testing.assert_close(ortho.norm(dim=1), torch.full((12,), 4.0, dtype=torch.float64), rtol=0, atol=1e-5)
+    torch.testing.assert_close(along.squeeze(1), torch.full((12,), 3.0, dtype=torch.float64), rtol=0, atol=1e-5)
+    # the second frame is the first one moved by temporal_stride (1) on every axis
+    torch.testing.assert_close(ring1, ring0 + 1, rtol=0, atol=1e-6)
+
+
+def test_hope_draws_a_temporal_stride_per_video_in_training_only():
+    video = [mm.Text(1), mm.Video(grid=(4, 2, 2)), mm.Text(1)]
+    ids, _ = mm.position_ids(video, scheme='hope', temporal_stride=1.0)
+    assert ids[0, 1:5].tolist() == [1, 2, 3, 4] and ids[0, -1].item() == 5
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(40):
+        tr, _ = mm.position_ids(video, scheme='hope', training=True, generator=g)
+        step = (tr[0, 2] - tr[0, 1]).item()
+        assert tr[0, 1:5].tolist() == [1 + step * t for t in range(4)] and tr[0, -1].item() == 1 + 3 * step + 1
+        seen.add(step)
+    assert seen == {0.5, 0.75, 1.0, 1.25, 1.5}
+
+
+def test_hope_and_circlerope_bad_options_are_named():
+    with pytest.raises(ValueError, match='HoPE temporal_strides must not be empty'):
+        mm.get_scheme('hope', temporal_strides=())
+    with pytest.raises(ValueError, match="CircleRoPE radius must be a number, 'auto' or 'auto-<k>'"):
+        mm.get_scheme('circlerope', radius='big')
+    with pytest.raises(ValueError, match=r'CircleRoPE alpha must be in \[0, 1\]'):
+        mm.get_scheme('circlerope', alpha=-1)
+    with pytest.raises(ValueError, match="CircleRoPE method must be one of"):
+        mm.get_scheme('circlerope', method='spiral')
