@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-__all__ = ['FAMILIES', 'TOKENS', 'tiny_qwen_vl', 'qwen_vl_batch', 'timed', 'labels_for']
+__all__ = ['FAMILIES', 'TOKENS', 'tiny_qwen_vl', 'qwen_vl_batch', 'timed', 'labels_for', 'CellColours',
+           'collate_cell_colours']
 
 FAMILIES = ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe')
 # a 64-token vocabulary: 0..55 text, then the special tokens
@@ -140,3 +141,57 @@ def labels_for(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
     labels = batch['input_ids'].clone()
     labels[(batch['attention_mask'] == 0) | (batch['mm_token_type_ids'] != 0)] = -100
     return labels
+
+
+class CellColours(torch.utils.data.Dataset):
+    """Embedded questions for a tiny Qwen-VL model: "which colour is the cell at row r, column c?".
+
+    An image of ``grid x grid`` merged cells (each 2x2 patches of one palette colour plus noise) after
+    0..``max_filler`` filler tokens, then ``r``, ``c`` tokens; the answer is the colour token. Reading
+    the cell at (r, c) needs the visual tokens' positions. Items are drawn from ``(seed, split, index)``.
+    Token ids: filler 1..9, rows 10.., columns 20.., colours 30.. (within `TOKENS`' text range).
+    """
+    ROW0, COL0, COLOUR0 = 10, 20, 30
+
+    def __init__(self, size: int, grid: int = 3, num_colours: int = 4, max_filler: int = 2, seed: int = 0,
+                 split: str = 'train') -> None:
+        if not 1 <= grid <= 9 or not 2 <= num_colours <= 20:
+            raise ValueError(f'grid must be in [1, 9] and num_colours in [2, 20], got {grid}, {num_colours}')
+        self.size, self.grid, self.num_colours, self.max_filler = size, grid, num_colours, max_filler
+        self.seed = seed * 2 + (split != 'train')
+        self.palette = torch.randn(num_colours, 3 * TEMPORAL * PATCH * PATCH,
+                                   generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        G = self.grid
+        colours = torch.randint(self.num_colours, (G, G), generator=g)
+        r, c = (int(x) for x in torch.randint(G, (2,), generator=g))
+        # patches in the processor's order: merged cells in raster order, each cell's 2x2 patches together
+        px = self.palette[colours.reshape(-1)].repeat_interleave(MERGE * MERGE, 0)
+        px = px + 0.1 * torch.randn(px.shape, generator=g)
+        filler = torch.randint(1, 10, (int(torch.randint(self.max_filler + 1, (1,), generator=g)),), generator=g)
+        ids = torch.cat([filler, torch.tensor([TOKENS['vision_start_token_id']] + [TOKENS['image_token_id']] * G * G
+                                              + [TOKENS['vision_end_token_id'], self.ROW0 + r, self.COL0 + c])])
+        return dict(input_ids=ids, pixel_values=px, answer=torch.tensor(self.COLOUR0 + int(colours[r, c])))
+
+
+def collate_cell_colours(items: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Left-padded forward arguments plus ``answer`` ``(B,)``, predicted at the last position."""
+    L = max(len(it['input_ids']) for it in items)
+    B = len(items)
+    input_ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for b, it in enumerate(items):
+        n = len(it['input_ids'])
+        input_ids[b, L - n:] = it['input_ids']
+        mask[b, L - n:] = 1
+    G = round((items[0]['pixel_values'].shape[0] // MERGE ** 2) ** 0.5)
+    return dict(input_ids=input_ids, attention_mask=mask,
+                mm_token_type_ids=(input_ids == TOKENS['image_token_id']).long(),
+                pixel_values=torch.cat([it['pixel_values'] for it in items]),
+                image_grid_thw=torch.tensor([[1, MERGE * G, MERGE * G]] * B),
+                answer=torch.stack([it['answer'] for it in items]))
