@@ -209,3 +209,27 @@ def test_unsupported_models_and_versions_are_refused(monkeypatch):
     monkeypatch.setattr(transformers_vlm, '_installed_transformers', lambda: '4.57.1')
     with pytest.raises(RuntimeError, match=r'transformers >= 5.25, < 6.*found transformers 4.57.1'):
         patch_vlm(model)
+
+
+# ---------------------------------------------------------------------------------------------- docs, benchmark
+def test_the_docs_page_examples_run():
+    import re
+    from pathlib import Path
+    page = Path(__file__).resolve().parents[1] / 'docs' / 'vlm.md'
+    blocks = re.findall(r'```python\n(.*?)```', page.read_text(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, str(page), 'exec'), {})
+
+
+def test_the_benchmark_runs_and_checks_its_ids_against_get_rope_index():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / 'benchmarks' / 'vlm_adapter.py'
+    spec = importlib.util.spec_from_file_location('vlm_adapter_bench', path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(['--family', 'qwen2_5_vl', '--hidden', '32', '--layers', '1', '--samples', '1',
+                      '--tokens', '3000', '--rounds', '1', '--schemes'])
+    assert set(out) == {'train unpatched', 'train patched own (mrope)', 'ids speedup'}
+    assert out['train unpatched'] == 1.0 and out['ids speedup'] > 0
