@@ -117,7 +117,8 @@ def main() -> None:
     print(f'{N} tokens, {args.images} images, {args.videos} videos, {args.threads} thread(s)')
 
     ref = loop_get_rope_index(input_ids, img, vid, secs)
-    fast, _ = mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, second_per_grid_ts=secs)
+    fast, _ = mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, second_per_grid_ts=secs,
+                              rule='4.x')  # the port is of 4.x's get_rope_index
     if not torch.equal(ref, fast[:, 0]):
         raise RuntimeError('vectorised M-RoPE ids differ from the loop reference')
     t_loop = time_fn(lambda: loop_get_rope_index(input_ids, img, vid, secs), warmup=1, iters=3)

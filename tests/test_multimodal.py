@@ -53,6 +53,28 @@ def reference_ids(layout, scheme, tokens_per_second=2.0, spatial_reset=False, de
                         u = [h + w, h + (W - 1 - w), (H - 1 - h) + w, (H - 1 - h) + (W - 1 - w)]
                         rows.append([cur + t * span + x for x in u])
             cur += T * span
+        elif scheme == 'hope':  # VideoRoPE's layout with the stride 1 outside training
+            for t in range(T):
+                for h in range(H):
+                    for w in range(W):
+                        rows.append([cur + t, cur + t + h - (H - 1) // 2, cur + t + w - (W - 1) // 2])
+            cur = cur + T
+        elif scheme == 'circlerope':  # defaults: radius 10, alpha 0.5, centred grid, no mixing
+            u = [-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0]
+            v = [-1 / math.sqrt(6), -1 / math.sqrt(6), 2 / math.sqrt(6)]  # (1, 1, 1)/sqrt 3 x u
+            pts = [(w - (W - 1) / 2, h - (H - 1) / 2) for h in range(H) for w in range(W)]
+            th = [math.atan2(y, x) for x, y in pts]
+            lo, hi = min(th), max(th)
+            ring = []
+            for k, a in enumerate(th):
+                norm = (a - lo) / (hi - lo) * 2 * math.pi if hi > lo else a
+                ang = 0.5 * norm + 0.5 * 2 * math.pi * k / (H * W)
+                x, y = 10 * math.cos(ang), 10 * math.sin(ang)
+                ring.append([x * u[2] + y * v[2], x * u[1] + y * v[1], x * u[0] + y * v[0]])  # (t, h, w)
+            top = max(max(r) for r in ring) + T - 1
+            for t in range(T):
+                rows += [[cur + t + c for c in r] for r in ring]
+            cur = cur + top + 1
         elif scheme == 'videorope':
             tmax = 0
             for t in range(T):
@@ -209,7 +231,7 @@ def test_pure_text_ids_are_the_running_index_on_every_axis(scheme):
     assert float(delta) == 0
 
 
-@pytest.mark.parametrize('scheme', ALL)
+@pytest.mark.parametrize('scheme', [s for s in ALL if s != 'hope'])
 def test_pure_text_rotary_equals_1d_rope_exactly(scheme):
     hd, theta = 64, 1e6
     ids, _ = mm.position_ids([[mm.Text(37)], [mm.Text(20)]], scheme=scheme, padding_side='left')
@@ -228,6 +250,18 @@ def test_pure_text_rotary_equals_1d_rope_exactly(scheme):
     assert torch.equal(k2, k * c[:, None] + rotate_half(k) * s[:, None])
 
 
+def test_hope_temporal_pairs_are_nope_and_the_rest_is_1d_rope_on_text():
+    hd, theta = 64, 1e6
+    ids, _ = mm.position_ids([mm.Text(37)], scheme='hope')
+    rot = mm.MultimodalRotary(hd, theta=theta, scheme='hope')
+    cos, sin = rot(ids)
+    ref_cos, ref_sin = rope_1d_cos_sin(ids[0], hd, theta)
+    nope = torch.tensor([c == '-' for c in rot.pair_layout] * 2)
+    assert rot.pair_layout[0] == '-' and rot.pair_layout[1:5] == 'hwhw' and nope.sum() == 2 * (32 - 12 - 11)
+    assert torch.all(cos[:, nope] == 1) and torch.all(sin[:, nope] == 0)
+    assert torch.equal(cos[:, ~nope], ref_cos[:, ~nope]) and torch.equal(sin[:, ~nope], ref_sin[:, ~nope])
+
+
 # ---------------------------------------------------------------------------------------------- fast == slow
 @pytest.mark.parametrize('scheme', ALL)
 def test_vectorised_ids_equal_token_by_token_reference(scheme):
@@ -237,6 +271,10 @@ def test_vectorised_ids_equal_token_by_token_reference(scheme):
         ids, delta = mm.position_ids(lay, scheme=scheme)
         # VideoRoPE (built on Qwen2-VL) ignores timing by default; the M-RoPE family uses Qwen2.5-VL's 2 ids/s
         ref, nxt = reference_ids(lay, scheme, tokens_per_second=None if scheme == 'videorope' else 2.0)
+        if scheme == 'circlerope':  # float32 trigonometry, as the reference implementation
+            torch.testing.assert_close(ids.double(), ref, rtol=0, atol=1e-4)
+            assert abs(float(delta) - (nxt - ids.shape[-1])) < 1e-4
+            continue
         assert torch.equal(ids.double(), ref), (scheme, lay)
         assert float(delta) == nxt - ids.shape[-1]
 
@@ -268,7 +306,7 @@ def test_token_id_interface_matches_qwen25_get_rope_index_with_padding():
         secs = [s if s is not None else 1.0 for c in conv for s in c[3]]
         secs_t = torch.tensor(secs, dtype=torch.float64)
         ids, delta = mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, second_per_grid_ts=secs_t,
-                                     attention_mask=mask, scheme='mrope')
+                                     attention_mask=mask, scheme='mrope', rule='4.x')
         ref, ref_delta = hf_get_rope_index(input_ids, img, vid, secs_t, mask)
         assert torch.equal(ids, ref), side
         assert torch.equal(delta, ref_delta), side
@@ -338,11 +376,9 @@ def test_token_id_interface_matches_qwen3vl_get_rope_index_on_processor_video_ro
         ref, ref_delta = model.get_rope_index(input_ids, **kwargs)
     for scheme in ('mrope_interleave', 'mhrope'):  # per-frame blocks are these schemes' default
         ids, delta = mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, attention_mask=mask,
-                                     scheme=scheme)
+                                     scheme=scheme, rule='5.x' if type_ids else '4.x')
         assert torch.equal(ids[:, mask.bool()], ref[:, mask.bool()]), scheme
-        # the same next position; transformers >= 5 counts rope_delta from the real tokens, not the padded length
-        ref_next = ref_delta.long() + (mask.sum(1, keepdim=True) if type_ids else L)
-        assert torch.equal(delta + L, ref_next), scheme
+        assert torch.equal(delta, ref_delta), scheme
     # the Qwen2-VL family reads one block per row unless told otherwise
     with pytest.raises(ValueError, match="video_blocks='frame'"):
         mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, attention_mask=mask, scheme='mrope')
@@ -467,8 +503,9 @@ def test_decoding_continues_the_full_sequence_ids(scheme):
 def test_decode_ids_follow_transformers_cache_position_convention():
     input_ids = torch.tensor([[0, 0, 5, VS, IMG, IMG, IMG, IMG, 8], [5, 6, 7, VS, IMG, IMG, IMG, IMG, 8]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
-    ids, delta = mm.position_ids(input_ids, image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]), attention_mask=mask)
-    # transformers: position_ids = arange(seq_len) + cache_position[0] + rope_deltas, for every axis
+    ids, delta = mm.position_ids(input_ids, image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]), attention_mask=mask,
+                                 rule='4.x')
+    # transformers 4.x: position_ids = arange(seq_len) + cache_position[0] + rope_deltas, for every axis
     step = mm.decode_position_ids(delta, cache_position=9)
     assert step[:, :, 0].tolist() == [[ids[0, b].max().item() + 1 for b in range(2)]] * 3
 
@@ -605,3 +642,40 @@ def test_apply_rotary_is_transformers_bit_for_bit_in_float32_and_rounds_once_in_
     theirs = llama.apply_rotary_pos_emb(qb, kb, cos.bfloat16(), sin.bfloat16())
     once = llama.apply_rotary_pos_emb(qb.float(), kb.float(), cos, sin)  # float32, then one rounding
     assert torch.equal(ours[0], once[0].bfloat16()) and not torch.equal(ours[0], theirs[0])
+
+
+# ---------------------------------------------------------------------------------------------- HoPE, Circle-RoPE
+def test_circlerope_puts_each_frame_on_a_circle_orthogonal_to_the_text_axis():
+    ids, _ = mm.position_ids([mm.Text(3), mm.Video(grid=(2, 6, 8)), mm.Text(2)], scheme='circlerope', radius=4.0)
+    ring0, ring1 = ids[:, 3:15].t(), ids[:, 15:27].t()  # 2 frames of 3 x 4 merged tokens
+    along = ring0.mean(1, keepdim=True)  # the projection on (1, 1, 1) / sqrt 3, per token
+    ortho = ring0 - along
+    torch.testing.assert_close(ortho.norm(dim=1), torch.full((12,), 4.0, dtype=torch.float64), rtol=0, atol=1e-5)
+    torch.testing.assert_close(along.squeeze(1), torch.full((12,), 3.0, dtype=torch.float64), rtol=0, atol=1e-5)
+    # the second frame is the first one moved by temporal_stride (1) on every axis
+    torch.testing.assert_close(ring1, ring0 + 1, rtol=0, atol=1e-6)
+
+
+def test_hope_draws_a_temporal_stride_per_video_in_training_only():
+    video = [mm.Text(1), mm.Video(grid=(4, 2, 2)), mm.Text(1)]
+    ids, _ = mm.position_ids(video, scheme='hope', temporal_stride=1.0)
+    assert ids[0, 1:5].tolist() == [1, 2, 3, 4] and ids[0, -1].item() == 5
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(40):
+        tr, _ = mm.position_ids(video, scheme='hope', training=True, generator=g)
+        step = (tr[0, 2] - tr[0, 1]).item()
+        assert tr[0, 1:5].tolist() == [1 + step * t for t in range(4)] and tr[0, -1].item() == 1 + 3 * step + 1
+        seen.add(step)
+    assert seen == {0.5, 0.75, 1.0, 1.25, 1.5}
+
+
+def test_hope_and_circlerope_bad_options_are_named():
+    with pytest.raises(ValueError, match='HoPE temporal_strides must not be empty'):
+        mm.get_scheme('hope', temporal_strides=())
+    with pytest.raises(ValueError, match="CircleRoPE radius must be a number, 'auto' or 'auto-<k>'"):
+        mm.get_scheme('circlerope', radius='big')
+    with pytest.raises(ValueError, match=r'CircleRoPE alpha must be in \[0, 1\]'):
+        mm.get_scheme('circlerope', alpha=-1)
+    with pytest.raises(ValueError, match="CircleRoPE method must be one of"):
+        mm.get_scheme('circlerope', method='spiral')

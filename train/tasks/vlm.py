@@ -3,8 +3,8 @@
 The model is `models.vlm.VLM` (``timm.create_model('vit_tiny', pe=model.vision_pe)`` with small
 dims, an MLP projector with 2x2 merge or a resampler whose keys carry ``model.resampler_pe``, and a
 decoder LM whose position ids follow ``model.scheme``: ``rope``, ``mrope``, ``mrope_interleave``,
-``mhrope``, ``vrope``, ``v2pe``, ``videorope``). The data is `models.vlm.ColourGridDataset`: an
-image of ``G x G`` coloured cells and the question "which colour is at row r, column c?"
+``mhrope``, ``vrope``, ``v2pe``, ``videorope``, ``hope``, ``circlerope``). The data is
+`models.vlm.ColourGridDataset`: an image of ``G x G`` coloured cells and the question "which colour is at row r, column c?"
 (answered with one colour token at the last position), generated on the fly from ``(seed,
 split, index)``. The metric is answer accuracy (%); the resolution sweep redraws the same
 questions at larger images (more visual tokens per cell).
@@ -28,7 +28,7 @@ from .base import Task, register_task
 
 __all__ = ['VLMTask', 'ModelConfig', 'DataConfig']
 
-Scheme = Literal['rope', 'mrope', 'mrope_interleave', 'mhrope', 'vrope', 'v2pe', 'videorope']
+Scheme = Literal['rope', 'mrope', 'mrope_interleave', 'mhrope', 'vrope', 'v2pe', 'videorope', 'hope', 'circlerope']
 
 # the vocabulary (and its special tokens) is the questions', the image size the data's
 ModelConfig = constructor_section(

@@ -1,1 +1,12 @@
-"""Adapters that put vispe encodings into other libraries' models (each imports its library lazily)."""
+"""Adapters that put vispe's encodings into models of other libraries, one model instance at a time.
+
+Each adapter imports its library lazily (``import vispe`` never needs it), patches one instance, and
+returns a handle whose ``remove()`` restores that instance exactly.
+
+* `patch_vlm` (`vispe.integrations.transformers_vlm`): the multimodal RoPE of transformers' Qwen2-VL,
+  Qwen2.5-VL and Qwen3-VL (and Qwen3-VL-MoE) models.
+* `use_pe` (`vispe.integrations.open_clip`): any encoding in an open_clip CLIP model's timm image tower.
+"""
+from .transformers_vlm import SUPPORTED_MODEL_TYPES, SUPPORTED_TRANSFORMERS, VLMPatch, patch_vlm
+
+__all__ = ['patch_vlm', 'VLMPatch', 'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS']

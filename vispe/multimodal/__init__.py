@@ -13,18 +13,21 @@
 
 Schemes: ``rope`` (1D baseline), ``mrope`` (Qwen2-VL, Qwen2.5-VL time), ``mrope_interleave``
 (MRoPE-I / Qwen3-VL, optional spatial reset), ``mhrope`` (heads per axis), ``vrope``, ``v2pe``
-(fractional visual steps), ``videorope``.
+(fractional visual steps), ``videorope``, ``hope`` (VideoRoPE layout with dynamic temporal scaling,
+temporal pairs NoPE), ``circlerope`` (visual tokens on a circle orthogonal to the text axis).
+Token ids follow transformers' ``get_rope_index``: its 5.x rule by default, ``rule='4.x'`` for 4.x.
 """
 from .layout import IMAGE, QWEN2_VL_TOKEN_IDS, TEXT, VIDEO, Image, SegmentTable, Text, Video, padding_mask
 from .ids import (
-    SCHEMES, MHRoPE, MRoPE, MRoPEInterleave, RoPE1D, Scheme, V2PE, VideoRoPE, VRoPE, decode_position_ids,
-    get_scheme, position_ids,
+    RULES, SCHEMES, CircleRoPE, HoPE, MHRoPE, MRoPE, MRoPEInterleave, RoPE1D, Scheme, V2PE, VideoRoPE, VRoPE,
+    decode_position_ids, get_scheme, position_ids,
 )
 from .rotary import MultimodalRotary, apply_rotary, default_head_sections, default_sections, rotary_table
 
 __all__ = [
     'Text', 'Image', 'Video', 'SegmentTable', 'padding_mask', 'TEXT', 'IMAGE', 'VIDEO', 'QWEN2_VL_TOKEN_IDS',
-    'Scheme', 'RoPE1D', 'MRoPE', 'MRoPEInterleave', 'MHRoPE', 'VRoPE', 'V2PE', 'VideoRoPE', 'SCHEMES',
+    'Scheme', 'RoPE1D', 'MRoPE', 'MRoPEInterleave', 'MHRoPE', 'VRoPE', 'V2PE', 'VideoRoPE', 'HoPE', 'CircleRoPE',
+    'SCHEMES', 'RULES',
     'get_scheme', 'position_ids', 'decode_position_ids',
     'MultimodalRotary', 'apply_rotary', 'rotary_table', 'default_sections', 'default_head_sections',
 ]

@@ -1,4 +1,5 @@
-"""Multimodal position ids: M-RoPE, MRoPE-Interleave, MHRoPE, VRoPE, V2PE, VideoRoPE (and plain 1D RoPE).
+"""Multimodal position ids: M-RoPE, MRoPE-Interleave, MHRoPE, VRoPE, V2PE, VideoRoPE, HoPE, Circle-RoPE
+(and plain 1D RoPE).
 
 Every scheme answers the same two questions about a `SegmentTable`:
 
@@ -19,6 +20,7 @@ a decoding step at cache position ``c`` has position ``c + rope_delta`` on every
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, ClassVar, Dict, Literal, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -28,10 +30,15 @@ from .layout import (
     table_from_layouts, table_from_token_ids,
 )
 
-__all__ = ['Scheme', 'RoPE1D', 'MRoPE', 'MRoPEInterleave', 'MHRoPE', 'VRoPE', 'V2PE', 'VideoRoPE', 'SCHEMES',
+__all__ = ['Scheme', 'RoPE1D', 'MRoPE', 'MRoPEInterleave', 'MHRoPE', 'VRoPE', 'V2PE', 'VideoRoPE', 'HoPE',
+           'CircleRoPE', 'SCHEMES', 'RULES',
            'get_scheme', 'position_ids', 'decode_position_ids']
 
 Tensor = torch.Tensor
+
+# How the token-id form follows transformers' ``get_rope_index``: its 5.x rule (the default) or its 4.x one.
+Rule = Literal['5.x', '4.x']
+RULES = ('5.x', '4.x')
 
 
 class Runs:
@@ -55,6 +62,7 @@ class Scheme:
     paper: ClassVar[str] = ''
     row_runs: ClassVar[bool] = True
     video_blocks: ClassVar[VideoBlocks] = 'video'
+    next_from_max: ClassVar[bool] = False
 
     @property
     def float_ids(self) -> bool:
@@ -86,18 +94,29 @@ class Scheme:
         """Add per-call random choices to the visual segments' fields (V2PE's training strides)."""
 
     # ------------------------------------------------------------------ helpers
-    def _time_index(self, t: Tensor, seconds: Tensor, tokens_per_second: Optional[float]) -> Tensor:
+    def _time_index(self, t: Tensor, seconds: Tensor, tokens_per_second: Optional[float],
+                    hf5: bool = False, seconds_dtype: torch.dtype = torch.float64) -> Tensor:
         """Temporal index of frame ``t``: Qwen2.5-VL ``floor(t * second_per_grid * tokens_per_second)``
-        (multiply first, then floor) for timed videos, else ``t`` (Qwen2-VL)."""
+        (multiply first, then floor) for timed videos, else ``t`` (Qwen2-VL).
+
+        ``hf5`` (transformers 5.x's rule): ``(t * (tokens_per_second * second_per_grid)).long()`` in the
+        dtype the caller gave ``second_per_grid_ts`` in, untimed videos counting 1 s per temporal patch.
+        """
         if tokens_per_second is None:
             return t
+        if hf5:
+            interval = torch.nan_to_num(seconds, nan=1.0).to(seconds_dtype) * tokens_per_second
+            return (t * interval).long()
         timed = ~torch.isnan(seconds)
         scaled = torch.floor(t.double() * torch.nan_to_num(seconds) * tokens_per_second).long()
         return torch.where(timed, scaled, t)
 
     def build(self, table: SegmentTable, training: bool = False,
-              generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Tensor]:
-        """Ids ``(A, N)`` of the flattened real tokens and the next position ``(B,)`` of each sequence."""
+              generator: Optional[torch.Generator] = None, hf5: bool = False) -> Tuple[Tensor, Tensor]:
+        """Ids ``(A, N)`` of the flattened real tokens and the next position ``(B,)`` of each sequence.
+
+        ``hf5``: transformers 5.x's ``get_rope_index`` rule where it differs (see `position_ids`).
+        """
         dev, dt, A = table.device, self.dtype, self.num_axes
         S = table.kind.numel()
         is_vis = table.kind != TEXT
@@ -105,7 +124,8 @@ class Scheme:
         extent = table.num_tokens.to(dt).clone()
         vis = torch.nonzero(is_vis).squeeze(1)
         seg_v = {'T': T[vis], 'H': H[vis], 'W': W[vis], 'n': table.num_tokens[vis],
-                 'seconds': table.seconds[vis], 'token_start': table.token_start[vis]}
+                 'seconds': table.seconds[vis], 'token_start': table.token_start[vis], 'hf5': hf5,
+                 'seconds_dtype': table.seconds_dtype}
         self.draw(seg_v, training, generator)
         if vis.numel():
             extent[vis] = self.visual_extent(seg_v).to(dt)
@@ -155,8 +175,8 @@ class Scheme:
         sid = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), rows, output_size=R)
         r = torch.arange(R, device=rows.device) - (torch.cumsum(rows, 0) - rows)[sid]
         Hr, Wr = seg['H'][sid], seg['W'][sid]
-        row = {'t': r // Hr, 'h': r % Hr, 'T': seg['T'][sid], 'H': Hr, 'W': Wr, 'start': seg['start'][sid],
-               'seconds': seg['seconds'][sid]}
+        row = {k: (v[sid] if torch.is_tensor(v) else v) for k, v in seg.items()}
+        row.update(t=r // Hr, h=r % Hr)
         v0, slope = self.visual_rows(row)
         return Runs(v0, slope, seg['token_start'][sid] + r * Wr, Wr)
 
@@ -230,6 +250,7 @@ class MRoPE(Scheme):
     name = 'mrope'
     axes = 'thw'
     paper = 'Wang et al., Qwen2-VL, arXiv:2409.12191; Bai et al., Qwen2.5-VL, arXiv:2502.13923'
+    next_from_max = True  # transformers 5.x: rope_delta from the largest id of the sequence
 
     def __init__(self, *, tokens_per_second: Optional[float] = 2.0) -> None:
         if tokens_per_second is not None and not tokens_per_second > 0:
@@ -237,14 +258,18 @@ class MRoPE(Scheme):
         self.tokens_per_second = tokens_per_second
 
     def visual_extent(self, seg):
+        if seg['hf5']:  # transformers 5.x: the block advances by max(H, W), whatever its time span
+            return torch.maximum(seg['H'], seg['W'])
         t_last = self._time_index(seg['T'] - 1, seg['seconds'], self.tokens_per_second)
         return torch.maximum(torch.maximum(t_last, seg['H'] - 1), seg['W'] - 1) + 1
 
+    def _tau(self, row):
+        return self._time_index(row['t'], row['seconds'], self.tokens_per_second, row['hf5'], row['seconds_dtype'])
+
     def visual_rows(self, row):
         s = row['start']
-        tau = self._time_index(row['t'], row['seconds'], self.tokens_per_second)
         one = torch.tensor([[0], [0], [1]], device=s.device)
-        return _stack(s + tau, s + row['h'], s), one
+        return _stack(s + self._tau(row), s + row['h'], s), one
 
 
 class MRoPEInterleave(MRoPE):
@@ -274,9 +299,8 @@ class MRoPEInterleave(MRoPE):
         if not self.spatial_reset:
             return super().visual_rows(row)
         s = row['start']
-        tau = self._time_index(row['t'], row['seconds'], self.tokens_per_second)
         one = torch.tensor([[0], [0], [1]], device=s.device)
-        return _stack(s + tau, row['h'], torch.zeros_like(s)), one
+        return _stack(s + self._tau(row), row['h'], torch.zeros_like(s)), one
 
 
 class MHRoPE(MRoPEInterleave):
@@ -418,8 +442,202 @@ class VideoRoPE(Scheme):
         return _stack(t, t + row['h'] - (row['H'] - 1) // 2, t - (row['W'] - 1) // 2), one
 
 
+class HoPE(VideoRoPE):
+    """HoPE (Li et al., NeurIPS 2025, arXiv:2505.20444), as the Multimodal-RoPEs reference implements it.
+
+    Ids: VideoRoPE's diagonal layout, ``t' = s + stride * t``, ``h' = t' + h - (H-1)//2``,
+    ``w' = t' + w - (W-1)//2``, with HoPE's *dynamic temporal scaling*: during training each visual
+    block draws its ``stride`` from ``temporal_strides`` (the reference draws one per block);
+    otherwise the fixed ``temporal_stride``. The next segment starts at ``max(t') + 1``. Ids are
+    float64 (the strides are fractional). Rotary (`MultimodalRotary`): the reference's VideoRoPE
+    allocation (pair ``0`` and the pairs from ``2 * sections[1]`` on carry ``t``; ``h`` odd and ``w``
+    even pairs below) with the temporal pairs not rotated (NoPE, HoPE's lowest frequencies). The
+    reference splits videos into one block per frame (Qwen3-VL), so ``video_blocks = 'frame'``.
+
+    Args:
+        temporal_stride: stride outside training (1: no scaling).
+        temporal_strides: the training choices (``[0.5, 0.75, 1, 1.25, 1.5]``, the reference's).
+        random_in_training: draw the stride per block when ``training=True``.
+    """
+    name = 'hope'
+    axes = 'thw'
+    paper = 'Li et al., HoPE, arXiv:2505.20444'
+    video_blocks = 'frame'
+
+    def __init__(self, *, temporal_stride: float = 1.0,
+                 temporal_strides: Sequence[float] = (0.5, 0.75, 1.0, 1.25, 1.5),
+                 random_in_training: bool = True) -> None:
+        for v, what in [(temporal_stride, 'temporal_stride')] + [(x, 'temporal_strides entries')
+                                                                  for x in temporal_strides]:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f'HoPE {what} must be positive numbers, got {v!r}')
+        if not temporal_strides:
+            raise ValueError('HoPE temporal_strides must not be empty')
+        self.temporal_stride = float(temporal_stride)
+        self.temporal_strides = tuple(float(x) for x in temporal_strides)
+        self.random_in_training = bool(random_in_training)
+
+    @property
+    def float_ids(self) -> bool:
+        return True
+
+    def draw(self, seg, training, generator):
+        n = seg['n']
+        if training and self.random_in_training:
+            choice = torch.randint(len(self.temporal_strides), (n.numel(),), generator=generator)
+            seg['stride'] = torch.tensor(self.temporal_strides, dtype=torch.float64)[choice].to(n.device)
+        else:
+            seg['stride'] = torch.full(n.shape, self.temporal_stride, dtype=torch.float64, device=n.device)
+
+    def visual_extent(self, seg):
+        return (seg['T'] - 1).double() * seg['stride'] + 1
+
+    def visual_rows(self, row):
+        t = row['start'].double() + row['t'].double() * row['stride']
+        one = torch.tensor([[0], [0], [1]], device=t.device)
+        return _stack(t, t + row['h'] - (row['H'] - 1) // 2, t - (row['W'] - 1) // 2), one
+
+
+class CircleRoPE(Scheme):
+    """Circle-RoPE (Wang et al. 2025, arXiv:2505.16416), as the Multimodal-RoPEs reference implements it.
+
+    Each frame's ``H x W`` tokens are mapped onto a circle in the plane orthogonal to the text
+    direction ``(1, 1, 1)``, so every image token is equidistant from the text axis: grid coordinates
+    ``(w, h)`` (centred when ``move_to_origin``) get the angle
+    ``alpha * normalised atan2(h, w) + (1 - alpha) * 2 pi k / (H W)`` (``k`` the raster index) and the
+    point ``radius * (cos, sin)``, expressed in the orthonormal basis ``u = (-1, 1, 0)/sqrt 2``,
+    ``v = (1, 1, 1)/sqrt 3 x u`` of that plane (ids ``(t, h, w)`` = components ``(z, y, x)``);
+    ``dff_rate`` mixes in the un-mapped grid projected the same way, ``move_to_positive`` shifts the
+    block by its smallest coordinate (plus an offset). Frame ``f`` of a video is the first frame's
+    ring moved by ``f * temporal_stride`` on every axis (the reference's video extension). The block
+    sits at ``s +`` those coordinates and the next segment starts at ``max over all axes + 1``.
+    Computed in float32 as the reference, returned as float64. Rotary: M-RoPE's chunked sections.
+
+    Args:
+        radius: circle radius, or ``'auto'`` / ``'auto-k'`` (``k`` times the largest coordinate).
+        alpha: weight of the normalised original angle against the raster-index angle, in [0, 1].
+        temporal_stride: spacing of a video's rings.
+        move_to_origin: centre the grid before mapping.
+        move_to_positive: False, ``'auto'`` (shift by the smallest coordinate) or an extra offset.
+        dff_rate: weight in [0, 1] of the un-mapped coordinates (0: the circle only; the reference's
+            documented example passes ``True``, i.e. 1).
+        method: ``'circle'`` or ``'no_circle'`` (the grid projected onto the plane, no circle).
+    """
+    name = 'circlerope'
+    axes = 'thw'
+    paper = 'Wang et al., Circle-RoPE, arXiv:2505.16416'
+    video_blocks = 'frame'
+    row_runs = False
+
+    def __init__(self, *, radius: Union[float, str] = 10.0, alpha: float = 0.5, temporal_stride: float = 1.0,
+                 move_to_origin: bool = True, move_to_positive: Union[bool, float, str] = False,
+                 dff_rate: float = 0.0, method: Literal['circle', 'no_circle'] = 'circle') -> None:
+        if isinstance(radius, str):
+            scale = radius[len('auto-'):] if radius.startswith('auto-') else '1' if radius == 'auto' else None
+            try:
+                self._radius_scale = float(scale) if scale is not None else None
+            except ValueError:
+                self._radius_scale = None
+            if self._radius_scale is None:
+                raise ValueError(f"CircleRoPE radius must be a number, 'auto' or 'auto-<k>', got {radius!r}")
+        elif isinstance(radius, bool) or not isinstance(radius, (int, float)):
+            raise ValueError(f"CircleRoPE radius must be a number, 'auto' or 'auto-<k>', got {radius!r}")
+        else:
+            self._radius_scale = None
+        if not 0 <= float(alpha) <= 1:
+            raise ValueError(f'CircleRoPE alpha must be in [0, 1], got {alpha!r}')
+        if not 0 <= float(dff_rate) <= 1:
+            raise ValueError(f'CircleRoPE dff_rate must be in [0, 1], got {dff_rate!r}')
+        if method not in ('circle', 'no_circle'):
+            raise ValueError(f"CircleRoPE method must be one of ('circle', 'no_circle'), got {method!r}")
+        if not temporal_stride > 0:
+            raise ValueError(f'CircleRoPE temporal_stride must be > 0, got {temporal_stride!r}')
+        if not (move_to_positive is False or move_to_positive == 'auto'
+                or (isinstance(move_to_positive, (int, float)) and not isinstance(move_to_positive, bool))):
+            raise ValueError(f"CircleRoPE move_to_positive must be False, 'auto' or a number, got {move_to_positive!r}")
+        self.radius, self.alpha, self.temporal_stride = radius, float(alpha), float(temporal_stride)
+        self.move_to_origin, self.move_to_positive = bool(move_to_origin), move_to_positive
+        self.dff_rate, self.method = float(dff_rate), method
+
+    @property
+    def float_ids(self) -> bool:
+        return True
+
+    def _rings(self, seg: Dict[str, Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+        """float32 ids ``(3, M)`` of the first frame of every block relative to its start, the block of
+        each of those ``M`` tokens, and each block's largest id (all axes, all frames)."""
+        T, H, W = seg['T'], seg['H'], seg['W']
+        dev, f32 = T.device, torch.float32
+        hw = H * W
+        K, M = hw.numel(), int(hw.sum())
+        blk = torch.repeat_interleave(torch.arange(K, device=dev), hw, output_size=M)
+        k = torch.arange(M, device=dev) - (torch.cumsum(hw, 0) - hw)[blk]
+        Wb = W[blk]
+        x, y = (k % Wb).to(f32), (k // Wb).to(f32)
+        t_last = (T - 1).to(f32) * self.temporal_stride
+        z = torch.zeros_like(x)
+        hi = torch.stack([(W - 1).to(f32), (H - 1).to(f32), t_last])  # per-axis max of the block's grid
+        if self.move_to_origin:
+            centre = hi / 2.0
+            x, y, z = x - centre[0][blk], y - centre[1][blk], z - centre[2][blk]
+            hi = hi - centre
+        u = torch.tensor([-1.0, 1.0, 0.0], dtype=f32, device=dev)
+        u = u / torch.linalg.vector_norm(u)
+        n = torch.ones(3, dtype=f32, device=dev)
+        n = n / torch.linalg.vector_norm(n)
+        v = torch.linalg.cross(n, u)
+        v = v / torch.linalg.vector_norm(v)
+        flat_x, flat_y = x[None] * u[:, None], y[None] * v[:, None]
+        plane = flat_x + flat_y  # the grid itself in the plane orthogonal to (1, 1, 1): (3, M)
+        if self.method == 'circle':
+            if self._radius_scale is not None:
+                radius = (hi.amax(0).abs() * self._radius_scale)[blk]
+            else:
+                radius = torch.full_like(x, float(self.radius))
+            theta = torch.atan2(y, x)
+            lo_t = torch.full((K,), math.inf, dtype=f32, device=dev).scatter_reduce(0, blk, theta, 'amin')
+            hi_t = torch.full((K,), -math.inf, dtype=f32, device=dev).scatter_reduce(0, blk, theta, 'amax')
+            span = (hi_t - lo_t)[blk]
+            norm = torch.where(span > 0, (theta - lo_t[blk]) / span * (2 * math.pi), theta)
+            index = k.to(f32) / hw[blk].to(f32) * (2 * math.pi)
+            ang = self.alpha * norm + (1 - self.alpha) * index
+            cx, cy = radius * torch.cos(ang), radius * torch.sin(ang)
+            coords = cx[None] * u[:, None] + cy[None] * v[:, None]
+        else:
+            coords = plane
+        if self.dff_rate:
+            coords = (1 - self.dff_rate) * coords + self.dff_rate * plane
+        if self.move_to_positive is not False:
+            offset = 0.0 if self.move_to_positive == 'auto' else float(self.move_to_positive)
+            lo = torch.full((K,), math.inf, dtype=f32, device=dev).scatter_reduce(0, blk, coords.amin(0), 'amin')
+            coords = coords + lo.abs()[blk] + offset
+        ids = coords.flip(0)  # (t, h, w) = components (z, y, x)
+        top = torch.full((K,), -math.inf, dtype=f32, device=dev).scatter_reduce(0, blk, ids.amax(0), 'amax')
+        return ids, blk, top + t_last
+
+    def visual_extent(self, seg):
+        ids, blk, top = self._rings(seg)
+        seg['ring'], seg['ring_block'] = ids, blk
+        return top.double() + 1
+
+    def _visual_runs(self, seg):
+        ring, blk = seg['ring'], seg['ring_block']
+        T, hw = seg['T'], seg['H'] * seg['W']
+        dev = ring.device
+        # one run per token: frame f of block b is its ring moved by f * temporal_stride on every axis
+        reps = T[blk]
+        tok = torch.repeat_interleave(torch.arange(ring.shape[1], device=dev), reps)
+        first = torch.cumsum(reps, 0) - reps
+        frame = torch.arange(tok.numel(), device=dev) - torch.repeat_interleave(first, reps)
+        b = blk[tok]
+        k = tok - (torch.cumsum(hw, 0) - hw)[b]
+        v0 = ring[:, tok].double() + (frame.double() * self.temporal_stride + seg['start'][b].double())[None]
+        start = seg['token_start'][b] + frame * hw[b] + k
+        return Runs(v0, torch.zeros(1, 1, dtype=torch.float64, device=dev), start, torch.ones_like(start))
+
+
 SCHEMES: Dict[str, Type[Scheme]] = {c.name: c for c in (RoPE1D, MRoPE, MRoPEInterleave, MHRoPE, VRoPE, V2PE,
-                                                         VideoRoPE)}
+                                                         VideoRoPE, HoPE, CircleRoPE)}
 
 
 def get_scheme(scheme: Union[str, Scheme], **options: Any) -> Scheme:
@@ -450,10 +668,12 @@ def position_ids(
         vision_start_token_id: int = QWEN2_VL_TOKEN_IDS['vision_start_token_id'],
         spatial_merge_size: int = 2,
         video_blocks: Optional[VideoBlocks] = None,
+        mm_token_type_ids: Optional[Tensor] = None,
+        rule: Rule = '5.x',
         padding_side: Literal['right', 'left'] = 'right',
         training: bool = False,
         generator: Optional[torch.Generator] = None,
-        pad_value: int = 1,
+        pad_value: Optional[int] = None,
         device: Optional[torch.device] = None,
         **options: Any,
 ) -> Tuple[Tensor, Tensor]:
@@ -470,9 +690,29 @@ def position_ids(
       ``get_rope_index`` returns them. ``video_grid_thw`` is what the model family's processor
       returns, one row per video; ``video_blocks`` says how the token ids hold it.
 
-    ``A`` is the scheme's number of axes (3 for the M-RoPE family and VideoRoPE, 4 for VRoPE, 1 for
-    V2PE and 1D RoPE). Padding positions get ``pad_value`` (1, as Qwen2-VL). ``rope_delta`` is
-    ``next_position - L``: decoding token at cache position ``c`` gets ``c + rope_delta``.
+    ``A`` is the scheme's number of axes (3 for the M-RoPE family, VideoRoPE, HoPE and Circle-RoPE, 4
+    for VRoPE, 1 for V2PE and 1D RoPE).
+
+    Token ids follow transformers' ``get_rope_index`` of the installed major version, ``rule='5.x'``
+    (the default; transformers 5.0 to 5.25 at least), or of 4.x with ``rule='4.x'``. They differ in:
+
+    ========================  =================================================  ==========================
+    (M-RoPE family)           5.x                                                4.x
+    ========================  =================================================  ==========================
+    text after a visual block ``s + max(H, W)`` (merged grid; time ignored)      max over all axes + 1
+    ``rope_delta``            ``max id + 1 - real tokens`` (decode: ``(number    ``next - L`` (decode:
+                              of real tokens so far) + rope_delta``)             ``cache_position + delta``)
+    padding ids               0                                                  1
+    timed video (Qwen2.5-VL)  ``(t * (tokens_per_second * second_per_grid)).     ``floor`` of the product
+                              long()`` in ``second_per_grid_ts``' dtype;         in float64; untimed: ``t``
+                              untimed: 1 s per temporal patch
+    visual blocks             runs of one type in ``mm_token_type_ids`` when     ``vision_start`` + image /
+                              given, else ``vision_start`` + image/video token   video token
+    ========================  =================================================  ==========================
+
+    For the other schemes the rule sets the padding ids and the ``rope_delta`` convention only. A
+    layout (rather than token ids) is vispe's own convention, the 4.x one: pads ``pad_value`` (1),
+    ``rope_delta = next_position - L``: decoding token at cache position ``c`` gets ``c + rope_delta``.
 
     Args:
         inputs: a layout, a list of layouts, or ``(B, L)`` token ids.
@@ -482,27 +722,43 @@ def position_ids(
             covers T blocks ``(1, H, W)`` (Qwen3-VL's processor, timestamp text between the frames);
             None: the scheme's ``video_blocks`` (``'frame'`` for ``mrope_interleave`` and ``mhrope``,
             ``'video'`` for the others).
-        training: V2PE draws random strides when True.
+        mm_token_type_ids: token ids only: ``(B, L)`` modality of each token (0 text, 1 image, 2 video).
+        rule: token ids only: ``'5.x'`` or ``'4.x'``, whose ``get_rope_index`` to follow (table above).
+        pad_value: ids of padding tokens; default 0 under the 5.x rule, else 1.
+        training: V2PE and HoPE draw random strides when True.
         generator: random generator for V2PE's training strides.
         device: device of layout-built ids.
     """
     sch = get_scheme(scheme, **options)
+    if rule not in RULES:
+        raise ValueError(f'rule must be one of {RULES}, got {rule!r}')
     if torch.is_tensor(inputs):
         if inputs.dtype not in (torch.long, torch.int32, torch.int16):
             raise ValueError(f'token ids must be an integer tensor, got {inputs.dtype}')
+        hf5 = rule == '5.x'
         table = table_from_token_ids(inputs, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
                                      image_token_id, video_token_id, vision_start_token_id, spatial_merge_size,
-                                     sch.video_blocks if video_blocks is None else video_blocks)
-        flat, nxt = sch.build(table, training, generator)
+                                     sch.video_blocks if video_blocks is None else video_blocks,
+                                     mm_token_type_ids)
+        flat, nxt = sch.build(table, training, generator, hf5=hf5)
         B, L = inputs.shape
+        pad = (0 if hf5 else 1) if pad_value is None else pad_value
         if attention_mask is None:
             ids = flat.reshape(sch.num_axes, B, L)
         else:
-            ids = torch.full((sch.num_axes, B, L), pad_value, dtype=flat.dtype, device=flat.device)
+            ids = torch.full((sch.num_axes, B, L), pad, dtype=flat.dtype, device=flat.device)
             ids[:, attention_mask.to(flat.device) != 0] = flat
-        return ids, (nxt - L)[:, None]
+        if not hf5:
+            return ids, (nxt - L)[:, None]
+        if sch.next_from_max and flat.numel():  # transformers 5.x: the largest id of the sequence + 1
+            seq = torch.repeat_interleave(torch.arange(B, device=flat.device), table.lengths,
+                                          output_size=flat.shape[1])
+            nxt = torch.zeros(B, dtype=flat.dtype, device=flat.device).scatter_reduce(
+                0, seq, flat.amax(0), 'amax', include_self=False) + 1
+        return ids, (nxt - table.lengths.to(nxt.dtype))[:, None]
     if padding_side not in ('right', 'left'):
         raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    pad_value = 1 if pad_value is None else pad_value
     layouts, batched = normalise_layouts(inputs)
     table = table_from_layouts(layouts, device)
     flat, nxt = sch.build(table, training, generator)
@@ -520,7 +776,9 @@ def decode_position_ids(rope_delta: Tensor, cache_position: Union[int, Tensor], 
     """Ids ``(A, B, length)`` of the next ``length`` tokens at cache position ``cache_position``.
 
     Every axis gets ``cache_position + i + rope_delta``, as text continues after any segment.
-    ``cache_position`` is the padded length of what is already in the cache (an int or ``(B,)``).
+    ``cache_position`` is, for a ``rope_delta`` of the 4.x rule (and of layouts), the padded length of
+    what is already in the cache; for the 5.x rule, the number of real tokens of each sequence so far
+    (an int or ``(B,)``).
     """
     rope_delta = torch.as_tensor(rope_delta)
     delta = rope_delta.reshape(-1, 1)

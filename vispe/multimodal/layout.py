@@ -150,6 +150,8 @@ class SegmentTable:
         token_start: ``(S,)`` offset of the first token in the flattened real tokens.
         seconds: ``(S,)`` float64 seconds per temporal patch, NaN when untimed (images, text).
         lengths: ``(B,)`` real tokens of each sequence.
+        seconds_dtype: dtype the caller gave ``second_per_grid_ts`` in (transformers 5.x computes the
+            time index in it).
     """
     batch: torch.Tensor
     kind: torch.Tensor
@@ -158,6 +160,7 @@ class SegmentTable:
     token_start: torch.Tensor
     seconds: torch.Tensor
     lengths: torch.Tensor
+    seconds_dtype: torch.dtype = torch.float64
 
     @property
     def batch_size(self) -> int:
@@ -264,6 +267,7 @@ def table_from_token_ids(
         vision_start_token_id: int,
         spatial_merge_size: int,
         video_blocks: VideoBlocks = 'video',
+        mm_token_type_ids: Optional[torch.Tensor] = None,
 ) -> SegmentTable:
     """The segment table of a ``(B, L)`` batch of token ids in the Qwen2-VL convention.
 
@@ -273,6 +277,10 @@ def table_from_token_ids(
     With ``video_blocks='frame'`` each video row ``(T, H, W)`` first becomes T rows ``(1, H, W)``, one
     per block (Qwen3-VL's ``get_rope_index`` splits them the same way); ``second_per_grid_ts`` still
     has one value per video. Padding (``attention_mask == 0``) is skipped.
+
+    With ``mm_token_type_ids`` (``(B, L)``: 0 text, 1 image, 2 video; what transformers 5.x processors
+    return and its ``get_rope_index`` reads) a block is instead a maximal run of one non-zero type,
+    and the token ids themselves are not inspected.
     """
     if video_blocks not in ('video', 'frame'):
         raise ValueError(f"video_blocks must be one of ('video', 'frame'), got {video_blocks!r}")
@@ -294,13 +302,29 @@ def table_from_token_ids(
     N = flat.numel()
     seq_start = torch.cumsum(lengths, 0) - lengths
 
-    # a block starts at an image/video token right after vision_start (Qwen2-VL's rule)
-    cand = torch.nonzero(flat[:-1] == vision_start_token_id).squeeze(1) + 1
-    cand = cand[~torch.isin(cand, seq_start[lengths > 0])]  # not across a sequence boundary
-    cand_tok = flat[cand]
-    is_block = (cand_tok == image_token_id) | (cand_tok == video_token_id)
-    block_start = cand[is_block]
-    block_is_img = cand_tok[is_block] == image_token_id
+    if mm_token_type_ids is not None:
+        types = torch.as_tensor(mm_token_type_ids, device=device)
+        if types.shape != input_ids.shape:
+            raise ValueError(f'mm_token_type_ids shape {tuple(types.shape)} != input_ids shape {tuple(input_ids.shape)}')
+        flat_kind = (types[keep] if attention_mask is not None else types.reshape(-1)).long()
+        if ((flat_kind < 0) | (flat_kind > 2)).any():
+            raise ValueError('mm_token_type_ids must hold 0 (text), 1 (image) or 2 (video)')
+        # transformers 5.x: a block is a maximal run of one non-text type inside a sequence
+        change = torch.ones(N, dtype=torch.bool, device=device)
+        change[1:] = flat_kind[1:] != flat_kind[:-1]
+        change[seq_start[lengths > 0]] = True
+        block_start = torch.nonzero(change & (flat_kind != 0)).squeeze(1)
+        block_is_img = flat_kind[block_start] == 1
+        what_block = 'image-type run'
+    else:
+        flat_kind = (flat == image_token_id).long() + 2 * (flat == video_token_id).long()
+        # a block starts at an image/video token right after vision_start (Qwen2-VL's rule)
+        cand = torch.nonzero(flat[:-1] == vision_start_token_id).squeeze(1) + 1
+        cand = cand[~torch.isin(cand, seq_start[lengths > 0])]  # not across a sequence boundary
+        cand_kind = flat_kind[cand]
+        block_start = cand[cand_kind > 0]
+        block_is_img = cand_kind[cand_kind > 0] == 1
+        what_block = 'image blocks (vision_start + image token)'
 
     m = spatial_merge_size
     img_g = _grid_rows(image_grid_thw, 'image_grid_thw', device)
@@ -310,8 +334,11 @@ def table_from_token_ids(
             raise ValueError(f'{what} rows must be positive with H and W divisible by spatial_merge_size={m}')
     num_videos = vid_g.shape[0]
     secs_vid = torch.full((num_videos,), math.nan, dtype=torch.float64, device=device)
+    seconds_dtype = torch.float64
     if second_per_grid_ts is not None:
-        s = torch.as_tensor(second_per_grid_ts, device=device).reshape(-1).double()
+        s = torch.as_tensor(second_per_grid_ts, device=device).reshape(-1)
+        seconds_dtype = s.dtype if s.is_floating_point() else torch.float64
+        s = s.double()
         if s.numel() != num_videos:
             raise ValueError(f'second_per_grid_ts has {s.numel()} values but there are {num_videos} videos')
         secs_vid = s
@@ -321,13 +348,13 @@ def table_from_token_ids(
         secs_vid = secs_vid.repeat_interleave(frames)
     n_img, n_vid = int(block_is_img.sum()), int((~block_is_img).sum())
     if n_img != img_g.shape[0]:
-        raise ValueError(f'input_ids hold {n_img} image blocks (vision_start + image token) but image_grid_thw '
+        raise ValueError(f'input_ids hold {n_img} {what_block} but image_grid_thw '
                          f'has {img_g.shape[0]} rows')
     if n_vid != vid_g.shape[0]:
         other = {'video': ('frame', int(frames.sum())), 'frame': ('video', num_videos)}[video_blocks]
         hint = (f"; they match one block per {other[0]}: pass video_blocks='{other[0]}'"
                 if n_vid == other[1] else '')
-        raise ValueError(f'input_ids hold {n_vid} video blocks (vision_start + video token) but video_grid_thw '
+        raise ValueError(f'input_ids hold {n_vid} {what_block.replace("image", "video")} but video_grid_thw '
                          f'gives {vid_g.shape[0]} with one block per {video_blocks} '
                          f'(video_blocks={video_blocks!r}){hint}')
 
@@ -342,7 +369,7 @@ def table_from_token_ids(
     block_end = block_start + block_len
 
     # every block must be placeholder tokens of its kind inside its own sequence, and no placeholder outside
-    is_vis = (flat == image_token_id) | (flat == video_token_id)
+    is_vis = flat_kind != 0
     count = torch.cumsum(is_vis, 0, dtype=torch.int32)
     n_vis = int(count[-1]) if N else 0
     if block_start.numel():
@@ -350,9 +377,9 @@ def table_from_token_ids(
         if (block_end > (seq_start + lengths)[seq_of_block]).any():
             raise ValueError('a visual block runs past the end of its sequence: the grid_thw rows do not match '
                              'the number of image/video tokens')
-        kind_tok = torch.where(block_is_img, image_token_id, video_token_id)
+        kind_tok = torch.where(block_is_img, 1, 2)
         inside = count[block_end - 1] - count[block_start] + 1
-        if (inside != block_len).any() or (flat[block_end - 1] != kind_tok).any():
+        if (inside != block_len).any() or (flat_kind[block_end - 1] != kind_tok).any():
             raise ValueError('image/video placeholder tokens do not match image_grid_thw / video_grid_thw: a visual '
                              'block has the wrong number of tokens')
     if n_vis != int(block_len.sum()):
@@ -376,4 +403,4 @@ def table_from_token_ids(
         grid[is_block] = block_grid[bi]
         secs[is_block] = block_secs[bi]
     return SegmentTable(batch=seg_batch, kind=kind, grid=grid, num_tokens=ntok, token_start=starts,
-                        seconds=secs, lengths=lengths)
+                        seconds=secs, lengths=lengths, seconds_dtype=seconds_dtype)

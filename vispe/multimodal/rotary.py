@@ -13,6 +13,10 @@ the scheme's frequency allocation:
   heads beyond the sections are not rotated);
 * ``videorope``: high-frequency pairs interleave ``h, w``, the low-frequency ones carry ``t``
   (``[16, 24, 24]``, VideoRoPE's low-frequency temporal allocation);
+* ``hope``: the Multimodal-RoPEs VideoRoPE allocation (pair 0 and pairs ``>= 2 * sections[1]`` are
+  temporal, ``h`` on odd pairs below ``2 * sections[1]``, ``w`` on even pairs from 2 below
+  ``2 * sections[2]``) with the temporal pairs not rotated (NoPE);
+* ``circlerope``: M-RoPE's chunked sections;
 * ``vrope``: pair ``i`` reads axis ``i mod 4``;
 * ``rope`` / ``v2pe``: one axis (V2PE's float positions).
 
@@ -44,7 +48,7 @@ def default_sections(scheme: str, num_pairs: int) -> Tuple[int, int, int]:
     if scheme == 'mrope_interleave':
         h = (5 * P) // 16  # [24, 20, 20] of 64
         return P - 2 * h, h, h
-    if scheme == 'videorope':
+    if scheme in ('videorope', 'hope'):
         h = (P - P // 4) // 2  # [16, 24, 24] of 64, h == w so they can interleave
         return P - 2 * h, h, h
     t = P // 4  # mrope: [16, 24, 24] of 64
@@ -68,7 +72,12 @@ def _pair_axes(scheme: str, num_pairs: int, sections: Sequence[int]) -> Tensor:
     if scheme == 'vrope':
         return torch.arange(P) % 4
     t, h, w = sections
-    if scheme == 'mrope':
+    if scheme == 'hope':  # axis -1: not rotated
+        axes = torch.full((P,), -1, dtype=torch.long)
+        axes[1:2 * h:2] = 1
+        axes[2:2 * w:2] = 2
+        return axes
+    if scheme in ('mrope', 'circlerope'):
         return torch.cat([torch.full((t,), 0), torch.full((h,), 1), torch.full((w,), 2)]).long()
     axes = torch.zeros(P, dtype=torch.long)
     if scheme == 'mrope_interleave':  # Qwen3-VL: H at 1, 4, ..., < 3h; W at 2, 5, ..., < 3w; T elsewhere
@@ -146,7 +155,7 @@ class MultimodalRotary(nn.Module):
                                   + [torch.full((num_heads - sum(hs),), -1, dtype=torch.long)])
             self.register_buffer('head_axes', head_axes.to(device), persistent=False)
         else:
-            if name in ('mrope', 'mrope_interleave', 'videorope'):
+            if name in ('mrope', 'mrope_interleave', 'videorope', 'hope', 'circlerope'):
                 sec = tuple(sections) if sections is not None else default_sections(name, P)
                 if len(sec) != 3 or any(s < 0 for s in sec) or sum(sec) != P:
                     raise ValueError(f'sections must be 3 non-negative pair counts (t, h, w) summing to '
@@ -156,13 +165,14 @@ class MultimodalRotary(nn.Module):
                 raise ValueError(f'scheme {name!r} has no sections (its pairs are fixed), got sections={sections}')
             self.register_buffer('pair_axes', _pair_axes(name, P, self.sections or ()).to(device),
                                  persistent=False)
+        self.nope_pairs = self.mode == 'pairs' and bool((self.pair_axes < 0).any())
 
     @property
     def pair_layout(self) -> Optional[str]:
         """The axis each rotary pair reads, one character per pair (``'tttthhhhwwww'``); None for MHRoPE."""
         if self.mode == 'heads':
             return None
-        return ''.join(self.axes[a] for a in self.pair_axes.tolist())
+        return ''.join('-' if a < 0 else self.axes[a] for a in self.pair_axes.tolist())
 
     @property
     def head_layout(self) -> Optional[str]:
@@ -190,6 +200,8 @@ class MultimodalRotary(nn.Module):
             return ang * rotated[:, None, None].to(ang.dtype)  # angle 0: identity for unassigned heads
         if A == 1:
             return pos[0][..., None] * f
+        if self.nope_pairs:  # HoPE's temporal pairs: angle 0
+            return pos[self.pair_axes.clamp(min=0)].movedim(0, -1) * (f * (self.pair_axes >= 0).to(f.dtype))
         return pos[self.pair_axes].movedim(0, -1) * f
 
     def forward(self, ids: Tensor, dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:

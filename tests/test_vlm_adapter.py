@@ -1,0 +1,235 @@
+"""patch_vlm on tiny transformers Qwen-VL models built from configs: parity with the model's own encoding
+first (logits and generated tokens), then every scheme in every family, exact removal, isolation between
+instances, explicit position ids, and the refusals."""
+import types
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip('transformers')
+
+from vispe import multimodal as mm  # noqa: E402
+from vispe.integrations import patch_vlm, transformers_vlm  # noqa: E402
+from vispe_models.qwen_vl import FAMILIES, labels_for, qwen_vl_batch, tiny_qwen_vl  # noqa: E402
+
+INPUTS = {
+    'text': [[('text', 7)], [('text', 4)]],
+    'image': [[('text', 3), ('image', (4, 6)), ('text', 2)]],
+    'video_untimed': [[('text', 2), ('video', (3, 4, 4), None), ('text', 3)]],
+    'video_timed': [[('text', 2), ('video', (4, 4, 6), 0.75), ('text', 3)]],
+    'mixed_left_padded': [[('text', 3), ('image', (4, 4)), ('text', 2), ('video', (2, 4, 6), 0.5), ('text', 3)],
+                          [('text', 1), ('video', (3, 4, 4), 1.5), ('text', 1)],
+                          [('text', 2), ('image', (2, 4)), ('text', 1)]],
+}
+_MODELS = {}
+
+
+def model_of(family, **kw):
+    key = (family, tuple(sorted(kw.items())))
+    if key not in _MODELS:
+        _MODELS[key] = tiny_qwen_vl(family, **kw)
+    return _MODELS[key]
+
+
+def logits(model, batch, **kw):
+    with torch.no_grad():
+        return model(**batch, **kw).logits
+
+
+# ---------------------------------------------------------------------------------------------- parity first
+@pytest.mark.parametrize('family', FAMILIES)
+def test_own_scheme_gives_the_unpatched_logits_on_every_input_kind(family):
+    model = model_of(family)
+    for kind, samples in INPUTS.items():
+        for side in (('left', 'right') if kind == 'mixed_left_padded' else ('left',)):
+            batch = qwen_vl_batch(family, samples, padding_side=side)
+            ref = logits(model, batch)
+            with patch_vlm(model):
+                out = logits(model, batch)
+            mask = batch['attention_mask'].bool()
+            assert (out - ref)[mask].abs().max().item() <= 1e-6, (family, kind, side)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_own_scheme_generates_the_unpatched_tokens(family):
+    model = model_of(family)
+    batch = qwen_vl_batch(family, INPUTS['mixed_left_padded'])
+    with torch.no_grad():
+        ref = model.generate(**batch, max_new_tokens=5, do_sample=False)
+        with patch_vlm(model):
+            out = model.generate(**batch, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize('family', ['qwen2_5_vl', 'qwen3_vl'])
+def test_explicit_position_ids_from_transformers_give_the_same_logits(family):
+    model = model_of(family)
+    batch = qwen_vl_batch(family, INPUTS['mixed_left_padded'])
+    keys = ('mm_token_type_ids', 'image_grid_thw', 'video_grid_thw', 'attention_mask', 'second_per_grid_ts')
+    with torch.no_grad():
+        ids, _ = model.model.get_rope_index(batch['input_ids'], **{k: batch[k] for k in keys if k in batch})
+    ref = logits(model, batch)
+    with patch_vlm(model):
+        out = logits(model, batch, position_ids=ids)
+    mask = batch['attention_mask'].bool()
+    assert (out - ref)[mask].abs().max().item() <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- every scheme
+@pytest.mark.parametrize('family', ['qwen2_5_vl', 'qwen3_vl'])
+@pytest.mark.parametrize('scheme', tuple(mm.SCHEMES))
+def test_every_scheme_trains_and_cached_decoding_continues_the_full_sequence(family, scheme):
+    """A train step has finite gradients; each cached decoding step's logits equal an uncached forward on
+    the whole generated sequence, so prefill ids and the rope_deltas of decoding agree."""
+    model = model_of(family)
+    batch = qwen_vl_batch(family, INPUTS['mixed_left_padded'])
+    with patch_vlm(model, scheme):
+        model.train()
+        try:
+            loss = model(**batch, labels=labels_for(batch)).loss
+            loss.backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            assert grads and all(torch.isfinite(g).all() for g in grads)
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.eval()
+        with torch.no_grad():
+            gen = model.generate(**batch, max_new_tokens=3, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+            seq = gen.sequences
+            n = len(gen.logits)
+            full = dict(batch, input_ids=seq, attention_mask=torch.cat(
+                [batch['attention_mask'], torch.ones(seq.shape[0], n, dtype=torch.long)], 1),
+                mm_token_type_ids=torch.cat([batch['mm_token_type_ids'], torch.zeros(seq.shape[0], n,
+                                                                                     dtype=torch.long)], 1))
+            whole = model(**full).logits
+    L = batch['input_ids'].shape[1]
+    for i, step in enumerate(gen.logits):
+        torch.testing.assert_close(step, whole[:, L - 1 + i], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize('scheme', ['vrope', 'v2pe', 'videorope', 'mhrope'])
+def test_explicit_position_ids_from_the_handle_equal_computed_ones(scheme):
+    model = model_of('qwen2_vl')
+    batch = qwen_vl_batch('qwen2_vl', INPUTS['mixed_left_padded'])
+    with patch_vlm(model, scheme) as handle:
+        ref = logits(model, batch)
+        keys = ('mm_token_type_ids', 'image_grid_thw', 'video_grid_thw')
+        ids = handle.position_ids(batch['input_ids'], batch['attention_mask'], **{k: batch[k] for k in keys})
+        out = logits(model, batch, position_ids=ids)
+    assert ids.shape[0] == {'vrope': 5, 'v2pe': 2}.get(scheme, 3)
+    assert torch.equal(out, ref)
+
+
+def test_vrope_four_rows_are_refused_with_the_five_row_form():
+    model = model_of('qwen2_vl')
+    batch = qwen_vl_batch('qwen2_vl', INPUTS['image'])
+    with patch_vlm(model, 'vrope') as handle:
+        ids, _ = handle.rope_index(batch['input_ids'], batch['mm_token_type_ids'], batch['image_grid_thw'])
+        assert ids.shape[0] == 4
+        with pytest.raises(ValueError, match=r'4-row position_ids as \[text; t; h; w\].*5 rows'):
+            logits(model, batch, position_ids=ids)
+
+
+def test_mhrope_with_fewer_kv_heads_than_axes_needs_head_sections():
+    model = model_of('qwen2_vl', heads=4, kv_heads=2, hidden=64)
+    batch = qwen_vl_batch('qwen2_vl', INPUTS['image'])
+    with pytest.raises(ValueError, match=r'2 key/value heads: pass head_sections=\(t, h, w\)'):
+        patch_vlm(model, 'mhrope')
+    ref = logits(model, batch)
+    with patch_vlm(model, 'mhrope', head_sections=(0, 1, 1)) as handle:
+        assert handle.rotary.rotary.head_layout == 'hw'
+        out = logits(model, batch)
+    assert not torch.equal(out, ref)
+    assert torch.equal(logits(model, batch), ref)
+
+
+# ---------------------------------------------------------------------------------------------- the handle
+def _snapshot(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {n: (id(m), dict(m.__dict__), dict(m._forward_hooks)) for n, m in model.named_modules()})
+
+
+@pytest.mark.parametrize('scheme', [None, 'mhrope', 'vrope'])
+def test_remove_restores_the_instance_bit_for_bit(scheme):
+    model = model_of('qwen3_vl')
+    batch = qwen_vl_batch('qwen3_vl', INPUTS['mixed_left_padded'])
+    ref = logits(model, batch)
+    state, modules = _snapshot(model)
+    deltas = model.model.rope_deltas
+    handle = patch_vlm(model, scheme)
+    assert handle.replaced and handle.active
+    with torch.no_grad():
+        model.generate(**batch, max_new_tokens=2, do_sample=False)
+    handle.remove()
+    state2, modules2 = _snapshot(model)
+    assert state.keys() == state2.keys() and all(torch.equal(state[k], state2[k]) for k in state)
+    assert modules.keys() == modules2.keys()
+    for name, (ident, attrs, hooks) in modules.items():
+        ident2, attrs2, hooks2 = modules2[name]
+        assert ident == ident2 and attrs.keys() == attrs2.keys() and hooks.keys() == hooks2.keys(), name
+    assert 'get_rope_index' not in model.model.__dict__ and model.model.rope_deltas is deltas
+    assert torch.equal(logits(model, batch), ref)
+    handle.remove()  # idempotent
+
+
+def test_two_instances_carry_different_schemes():
+    a, b = tiny_qwen_vl('qwen2_vl', seed=1), tiny_qwen_vl('qwen2_vl', seed=1)
+    batch = qwen_vl_batch('qwen2_vl', INPUTS['mixed_left_padded'])
+    ref = logits(b, batch)
+    with patch_vlm(a, 'videorope'):
+        assert torch.equal(logits(b, batch), ref)  # b untouched while a is patched
+        with patch_vlm(b):
+            assert not torch.equal(logits(a, batch), logits(b, batch))
+            assert (logits(b, batch) - ref).abs().max() <= 1e-6
+    with pytest.raises(RuntimeError, match='already patched'):
+        with patch_vlm(a):
+            patch_vlm(a)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def test_unsupported_models_and_versions_are_refused(monkeypatch):
+    text_only = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    with pytest.raises(TypeError, match='qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe'):
+        patch_vlm(text_only)
+    thinker = nn.Module()
+    thinker.config = types.SimpleNamespace(model_type='qwen2_5_omni')
+    with pytest.raises(TypeError, match='interleaves audio positions'):
+        patch_vlm(thinker)
+    model = model_of('qwen2_vl')
+    with pytest.raises(ValueError, match='scheme must be None'):
+        patch_vlm(model, 'rope3d')
+    with pytest.raises(ValueError, match='rule must be one of'):
+        patch_vlm(model, rule='6.x')
+    with pytest.raises(ValueError, match="scheme 'videorope' accepts options"):
+        patch_vlm(model, 'videorope', stride=3)
+    monkeypatch.setattr(transformers_vlm, '_installed_transformers', lambda: '4.57.1')
+    with pytest.raises(RuntimeError, match=r'transformers >= 5.25, < 6.*found transformers 4.57.1'):
+        patch_vlm(model)
+
+
+# ---------------------------------------------------------------------------------------------- docs, benchmark
+def test_the_docs_page_examples_run():
+    import re
+    from pathlib import Path
+    page = Path(__file__).resolve().parents[1] / 'docs' / 'vlm.md'
+    blocks = re.findall(r'```python\n(.*?)```', page.read_text(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, str(page), 'exec'), {})
+
+
+def test_the_benchmark_runs_and_checks_its_ids_against_get_rope_index():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / 'benchmarks' / 'vlm_adapter.py'
+    spec = importlib.util.spec_from_file_location('vlm_adapter_bench', path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(['--family', 'qwen2_5_vl', '--hidden', '32', '--layers', '1', '--samples', '1',
+                      '--tokens', '3000', '--rounds', '1', '--schemes'])
+    assert set(out) == {'train unpatched', 'train patched own (mrope)', 'ids speedup'}
+    assert out['train unpatched'] == 1.0 and out['ids speedup'] > 0
