@@ -336,6 +336,17 @@ class VRoPE(Scheme):
         return v0, slope
 
 
+def _draw_strides(n: Tensor, fixed: float, choices: Sequence[float], random: bool,
+                  generator: Optional[torch.Generator], dtype: torch.dtype) -> Tensor:
+    """One stride per visual segment (``n``: the segments' sizes): drawn uniformly from ``choices``
+    (with ``generator``) when ``random``, else ``fixed`` (V2PE's per-image and HoPE's per-block
+    strides)."""
+    if random:
+        choice = torch.randint(len(choices), (n.numel(),), generator=generator)
+        return torch.tensor(choices, dtype=dtype)[choice].to(n.device)
+    return torch.full(n.shape, fixed, dtype=dtype, device=n.device)
+
+
 class V2PE(Scheme):
     """V2PE (Ge et al. 2024, InternVL): 1D ids with a fractional step for visual tokens.
 
@@ -378,12 +389,8 @@ class V2PE(Scheme):
         return True
 
     def draw(self, seg, training, generator):
-        n = seg['n']
-        if training and self.random_in_training:
-            choice = torch.randint(len(self.strides), (n.numel(),), generator=generator)
-            seg['stride'] = torch.tensor(self.strides, dtype=torch.long)[choice].to(n.device)
-        else:
-            seg['stride'] = torch.full_like(n, self.stride)
+        seg['stride'] = _draw_strides(seg['n'], self.stride, self.strides, training and self.random_in_training,
+                                      generator, torch.long)
 
     def _denominator(self, n: Tensor) -> Tensor:
         return n if self.tokens_per_tile is None else torch.full_like(n, self.tokens_per_tile)
@@ -482,12 +489,8 @@ class HoPE(VideoRoPE):
         return True
 
     def draw(self, seg, training, generator):
-        n = seg['n']
-        if training and self.random_in_training:
-            choice = torch.randint(len(self.temporal_strides), (n.numel(),), generator=generator)
-            seg['stride'] = torch.tensor(self.temporal_strides, dtype=torch.float64)[choice].to(n.device)
-        else:
-            seg['stride'] = torch.full(n.shape, self.temporal_stride, dtype=torch.float64, device=n.device)
+        seg['stride'] = _draw_strides(seg['n'], self.temporal_stride, self.temporal_strides,
+                                      training and self.random_in_training, generator, torch.float64)
 
     def visual_extent(self, seg):
         return (seg['T'] - 1).double() * seg['stride'] + 1
