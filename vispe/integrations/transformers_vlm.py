@@ -356,9 +356,10 @@ def patch_vlm(model: nn.Module, scheme: Union[None, str, mm.Scheme] = None, *, r
             axis) go to the rotary.
 
     Raises:
-        TypeError: unsupported model class; RuntimeError: unsupported transformers version;
-        ValueError: bad scheme, options, or MHRoPE on fewer than 3 key/value heads without
-        ``head_sections``.
+        TypeError: unsupported model class.
+        RuntimeError: unsupported transformers version, or a model already patched.
+        ValueError: bad scheme or options, or MHRoPE on fewer than 3 key/value heads without
+            ``head_sections``.
     """
     _check_transformers()
     inner, outer, model_type = _parts(model)
