@@ -367,7 +367,8 @@ class DETR(nn.Module):
         feats, mask = self.backbone(images, mask)
         src = self.input_proj(feats)
         h, w = src.shape[-2:]
-        pos = vispe.grid(h, w, device=src.device).replace(key_padding_mask=mask.flatten(1))
+        pos = vispe.grid(h, w, train_grid=self.pe.ctx.grid_size, device=src.device).replace(
+            key_padding_mask=mask.flatten(1))
         return src.flatten(2).transpose(1, 2), pos
 
     @staticmethod
@@ -379,7 +380,27 @@ class DETR(nn.Module):
         return ~pad[:, None, None, :]
 
     def encode(self, src: torch.Tensor, pos: vispe.Positions) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The encoder: memory ``(B, N, C)`` and the additive embedding it used (None if none)."""
+        """The encoder: memory ``(B, N, C)`` and the additive embedding it used (None if none).
+
+        A padded batch (``pos.key_padding_mask``) runs with each image at its own grid's positions
+        (`vispe.positions.pack_padded_grid`), so an image gets the output it gets alone; the outputs come
+        back in ``src``'s token order."""
+        packed = vispe.positions.pack_padded_grid(pos)
+        if packed is None:
+            return self._encode(src, pos)
+        memory, pos_embed = self._encode(packed.pack(src), packed.positions)
+        return packed.unpack(memory), None if pos_embed is None else packed.unpack(pos_embed)
+
+    def decode(self, memory: torch.Tensor, pos: vispe.Positions, pos_embed: Optional[torch.Tensor]) -> torch.Tensor:
+        """The decoder: normed outputs of every layer ``(L_dec, B, Q, C)``; ``memory`` and ``pos_embed`` as
+        `encode` returns them."""
+        packed = vispe.positions.pack_padded_grid(pos)
+        if packed is None:
+            return self._decode(memory, pos, pos_embed)
+        return self._decode(packed.pack(memory), packed.positions,
+                            None if pos_embed is None else packed.pack(pos_embed))
+
+    def _encode(self, src: torch.Tensor, pos: vispe.Positions) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         caps = self.pe.capabilities
         pos_embed = self.pe.embedding(pos).to(src.dtype) if caps.additive else None
         pe = self.pe.prepare(pos) if caps.in_attention else None
@@ -390,8 +411,7 @@ class DETR(nn.Module):
                 src = self.pe.between_blocks(src, pos, i)
         return src, pos_embed
 
-    def decode(self, memory: torch.Tensor, pos: vispe.Positions, pos_embed: Optional[torch.Tensor]) -> torch.Tensor:
-        """The decoder: normed outputs of every layer ``(L_dec, B, Q, C)``."""
+    def _decode(self, memory: torch.Tensor, pos: vispe.Positions, pos_embed: Optional[torch.Tensor]) -> torch.Tensor:
         b = memory.shape[0]
         query_pos = self.query_embed.weight.unsqueeze(0).expand(b, -1, -1)
         tgt = torch.zeros_like(query_pos)
@@ -412,8 +432,11 @@ class DETR(nn.Module):
     def forward(self, images: Union[torch.Tensor, Sequence[torch.Tensor]], mask: Optional[torch.Tensor] = None
                 ) -> Dict[str, Any]:
         src, pos = self.features(images, mask)
-        memory, pos_embed = self.encode(src, pos)
-        hs = self.decode(memory, pos, pos_embed)
+        packed = vispe.positions.pack_padded_grid(pos)  # each image at its own grid's positions
+        if packed is not None:
+            src, pos = packed.pack(src), packed.positions
+        memory, pos_embed = self._encode(src, pos)
+        hs = self._decode(memory, pos, pos_embed)
         logits = self.class_embed(hs)
         boxes = self.bbox_embed(hs).sigmoid()
         out: Dict[str, Any] = {'pred_logits': logits[-1], 'pred_boxes': boxes[-1]}
