@@ -317,6 +317,9 @@ class DETR(nn.Module):
         # meta device (nothing allocated or initialised), then the encoding is built once for real
         ctx = vispe.PEContext(dim=hidden_dim, num_heads=num_heads, depth=enc_layers, grid_size=grid_size)
         caps = vispe.create_pe(pe, ctx, device='meta').capabilities
+        if caps.requires:
+            raise ValueError(f"pe={pe!r} reads the positions' {', '.join(sorted(caps.requires))}, which DETR's images "
+                             f"do not have; choose an image encoding (vispe.list_pes())")
         if cross_pe == 'auto':
             cross_pe = 'additive' if caps.needs_query_positions else 'keys'
         self.cross_pe = cross_pe
@@ -361,6 +364,10 @@ class DETR(nn.Module):
             raise ValueError(f'images must be (B, 3, H, W) or a list of (3, H, W), got {tuple(images.shape)}')
         if mask is None:
             mask = torch.zeros(images.shape[0], *images.shape[-2:], dtype=torch.bool, device=images.device)
+        elif not torch.is_tensor(mask) or mask.dtype != torch.bool:
+            raise ValueError(f'mask must be a bool tensor, True on padding (DETR\'s convention; transformers\' '
+                             f'pixel_mask is the opposite: pass ~pixel_mask.bool()), got '
+                             f'{mask.dtype if torch.is_tensor(mask) else type(mask).__name__}')
         elif mask.shape != (images.shape[0], *images.shape[-2:]):
             raise ValueError(f'mask must be (B, H, W) = {(images.shape[0], *images.shape[-2:])} like images '
                              f'{tuple(images.shape)} (True on padding), got {tuple(mask.shape)}')
@@ -522,6 +529,20 @@ class SetCriterion(nn.Module):
         empty_weight[-1] = eos_coef
         self.register_buffer('empty_weight', empty_weight)
 
+    def _check_targets(self, targets: Sequence[Dict[str, torch.Tensor]]) -> None:
+        for i, t in enumerate(targets):
+            boxes, labels = t['boxes'], t['labels']
+            if boxes.dim() != 2 or boxes.shape[-1] != 4:
+                raise ValueError(f"targets[{i}]['boxes'] must be (T, 4) normalised (cx, cy, w, h), got "
+                                 f"{tuple(boxes.shape)}")
+            if labels.shape != boxes.shape[:1] or labels.is_floating_point() or (
+                    len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes)):
+                raise ValueError(f"targets[{i}]['labels'] must be ({len(boxes)},) integer class ids in "
+                                 f"[0, {self.num_classes}), got {labels.tolist()}")
+            if len(boxes) and (not bool(torch.isfinite(boxes).all()) or bool((boxes[:, 2:] < 0).any())):
+                raise ValueError(f"targets[{i}]['boxes'] must be finite (cx, cy, w, h) with non-negative width and "
+                                 f"height, got {boxes.tolist()}")
+
     def _losses(self, outputs: Dict[str, torch.Tensor], targets: Sequence[Dict[str, torch.Tensor]],
                 num_boxes: float) -> Dict[str, torch.Tensor]:
         indices = self.matcher(outputs, targets)
@@ -550,6 +571,7 @@ class SetCriterion(nn.Module):
                 torch.distributed.all_reduce(total)
                 total = total / torch.distributed.get_world_size()
             num_boxes = float(total)
+        self._check_targets(targets)
         num_boxes = max(num_boxes, 1.0)
         losses = self._losses(outputs, targets, num_boxes)
         for i, aux in enumerate(outputs.get('aux_outputs', [])):

@@ -131,32 +131,107 @@ def test_postprocess_scales_boxes_to_the_original_size():
     assert float(res['scores'][0]) == pytest.approx(math.exp(3) / (math.exp(3) + 2))
 
 
-def _padded_tokens(h, w, h_big, w_big, dim, seed=0):
+# every registered encoding that positions image tokens (those reading cameras are refused by DETR)
+IMAGE_ENCODINGS = [spec for spec in vispe.list_pes()
+                   if not vispe.create_pe(spec, dim=32, num_heads=4, grid_size=(3, 4), device='meta')
+                   .capabilities.requires]
+# a 3 x 4 and a 2 x 6 image padded into a 4 x 6 canvas beside an unpadded 4 x 6 one
+EXTENTS, CANVAS = [(3, 4), (2, 6), (4, 6)], (4, 6)
+
+
+def _padded_batch(dim, seed=0):
+    """Tokens of a padded canvas batch with garbage in the padding, its positions, and each image alone."""
     g = torch.Generator().manual_seed(seed)
-    small = torch.randn(1, h, w, dim, generator=g)
-    big = torch.randn(1, h_big, w_big, dim, generator=g) * 10  # garbage in the padding
-    big[:, :h, :w] = small
-    pad = torch.ones(1, h_big, w_big, dtype=torch.bool)
-    pad[:, :h, :w] = False
-    pos_small = vispe.grid(h, w).replace(key_padding_mask=torch.zeros(1, h * w, dtype=torch.bool))
-    pos_big = vispe.grid(h_big, w_big).replace(key_padding_mask=pad.flatten(1))
-    return small.flatten(1, 2), pos_small, big.flatten(1, 2), pos_big, (~pad).flatten(1)[0]
+    canvas = torch.randn(len(EXTENTS), *CANVAS, dim, generator=g) * 10
+    pad = torch.ones(len(EXTENTS), *CANVAS, dtype=torch.bool)
+    alone = []
+    for b, (h, w) in enumerate(EXTENTS):
+        pad[b, :h, :w] = False
+        alone.append((canvas[b:b + 1, :h, :w].flatten(1, 2), vispe.grid(h, w, train_grid=(3, 4))))
+    pos = vispe.grid(*CANVAS, train_grid=(3, 4)).replace(key_padding_mask=pad.flatten(1))
+    return canvas.flatten(1, 2), pos, alone, ~pad.flatten(1)
 
 
-@pytest.mark.parametrize('pe', ['detr_sine', 'detr_learned', 'rope_axial', 'irpe:on=k', 'detr_sine+irpe:on=qkv'])
-def test_detr_transformer_ignores_padding_for_every_encoding(pe):
+@pytest.mark.parametrize('pe', IMAGE_ENCODINGS + ['detr_sine+irpe:on=qkv', 'peg:kernel_size=5', 'liere+peg'])
+def test_every_encoding_gives_a_padded_image_its_output_alone(pe):
+    """DETR pads a batch to one canvas: each image's encoder memory and decoder outputs must not depend on
+    the canvas or the other images (per-sample grids), PEG must not convolve the padding in."""
     torch.manual_seed(0)
-    model = DETR(num_classes=4, backbone='resnet18', pe=pe, **TINY).eval()
-    for p in model.pe.parameters():  # iRPE tables start at zero; make them matter
-        torch.nn.init.normal_(p, std=0.5)
-    src, pos, src_big, pos_big, real = _padded_tokens(2, 3, 4, 5, TINY['hidden_dim'])
+    model = DETR(num_classes=4, backbone='resnet18', pe=pe, grid_size=(3, 4), **TINY).eval()
     with torch.no_grad():
-        mem, emb = model.encode(src, pos)
-        mem_big, emb_big = model.encode(src_big, pos_big)
-        hs = model.decode(mem, pos, emb)
-        hs_big = model.decode(mem_big, pos_big, emb_big)
-    assert torch.allclose(mem_big[0, real], mem[0], atol=1e-5)
-    assert torch.allclose(hs_big, hs, atol=1e-5)
+        for p in model.pe.parameters():  # zero-initialised tables (iRPE) and gates (PEG) would hide errors
+            p.normal_(std=0.5)
+    src, pos, alone, real = _padded_batch(TINY['hidden_dim'])
+    with torch.no_grad():
+        memory, embedding = model.encode(src, pos)
+        decoded = model.decode(memory, pos, embedding)
+        for b, (src_b, pos_b) in enumerate(alone):
+            memory_b, embedding_b = model.encode(src_b, pos_b)
+            torch.testing.assert_close(memory[b, real[b]], memory_b[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(decoded[:, b], model.decode(memory_b, pos_b, embedding_b)[:, 0],
+                                       atol=1e-5, rtol=0)
+
+
+def test_a_padded_forward_equals_the_encoder_and_decoder_on_the_canvas():
+    """`forward` packs the batch once; `encode` / `decode` pack canvas inputs themselves: same outputs."""
+    torch.manual_seed(0)
+    model = DETR(num_classes=4, backbone='resnet18', pe='liere', **TINY).eval()
+    images = [torch.randn(3, 64, 96), torch.randn(3, 96, 64)]
+    with torch.no_grad():
+        out = model(images)
+        src, pos = model.features(images)
+        assert pos.key_padding_mask.any()
+        memory, embedding = model.encode(src, pos)
+        hs = model.decode(memory, pos, embedding)
+    torch.testing.assert_close(out['pred_logits'], model.class_embed(hs)[-1], atol=1e-6, rtol=0)
+
+
+def test_detr_refuses_encodings_that_read_cameras():
+    with pytest.raises(ValueError, match="pe='prope' reads the positions' cameras"):
+        DETR(num_classes=4, backbone='resnet18', pe='prope', **TINY)
+
+
+def test_bad_padding_masks_are_refused_with_the_convention():
+    model = DETR(num_classes=4, backbone='resnet18', pe='rope_mixed', **TINY).eval()
+    images = torch.randn(2, 3, 64, 64)
+    mask = torch.zeros(2, 64, 64, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r'mask must be \(B, H, W\)'):
+        model(images, mask[:, :32])
+    with pytest.raises(ValueError, match='mask must be a bool tensor, True on padding'):
+        model(images, mask.float())
+    with pytest.raises(ValueError, match='all padding'):
+        model(images, mask.index_fill(0, torch.tensor([1]), True))
+    holes = mask.clone()
+    holes[0, :32, :32] = True  # padding at the top left: not how a batch is padded
+    with pytest.raises(ValueError, match='bottom and right'):
+        model(images, holes)
+
+
+def test_images_smaller_than_the_backbone_stride_still_get_a_token():
+    model = DETR(num_classes=4, backbone='resnet18', pe='learned', **TINY).eval()
+    with torch.no_grad():
+        out = model([torch.randn(3, 8, 8), torch.randn(3, 70, 40)])
+    assert torch.isfinite(out['pred_logits']).all() and torch.isfinite(out['pred_boxes']).all()
+
+
+def test_empty_and_degenerate_targets_give_finite_losses_and_bad_boxes_errors():
+    torch.manual_seed(0)
+    outputs = {'pred_logits': torch.randn(2, 8, 5, requires_grad=True),
+               'pred_boxes': torch.rand(2, 8, 4).mul(0.5).add(0.25).requires_grad_()}
+    criterion = SetCriterion(num_classes=4)
+    empty = {'labels': torch.zeros(0, dtype=torch.int64), 'boxes': torch.zeros(0, 4)}
+    line = {'labels': torch.tensor([1]), 'boxes': torch.tensor([[0.5, 0.5, 0.0, 0.3]])}  # zero width
+    loss = criterion(outputs, [empty, line])['loss']
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert torch.isfinite(outputs['pred_boxes'].grad).all()
+    assert torch.isfinite(criterion(outputs, [empty, empty])['loss'])
+    with pytest.raises(ValueError, match=r"targets\[1\]\['boxes'\] .* non-negative width and height"):
+        criterion(outputs, [empty, {'labels': torch.tensor([1]), 'boxes': torch.tensor([[0.5, 0.5, -0.1, 0.3]])}])
+    with pytest.raises(ValueError, match=r"targets\[0\]\['boxes'\] must be \(T, 4\)"):
+        criterion(outputs, [{'labels': torch.tensor([1]), 'boxes': torch.rand(1, 5)}, empty])
+    with pytest.raises(ValueError, match=r"targets\[0\]\['labels'\] must be .* in \[0, 4\)"):
+        criterion(outputs, [{'labels': torch.tensor([4]), 'boxes': torch.rand(1, 4)}, empty])
 
 
 def test_cross_attention_modes_follow_the_encoding():
