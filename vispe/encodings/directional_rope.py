@@ -26,7 +26,8 @@ from ..rotary import axial_frequencies
 from ._checks import check_min_int, check_nonnegative, check_positive
 from .rope import MixedAnglePE
 
-__all__ = ['DirectionalRope', 'RopeGolden', 'RopeSpiral', 'golden_gate_frequencies', 'spiral_frequencies']
+__all__ = ['DirectionalRope', 'RopeGolden', 'RopeSpiral', 'golden_gate_frequencies', 'spiral_frequencies',
+           'spiral_layout']
 
 GOLDEN_SPACING = math.pi * (math.sqrt(5.0) - 1.0) / 2.0
 """The golden angle taken modulo a half turn, ``pi / phi`` (about 111.25 degrees): a direction and its
@@ -49,9 +50,11 @@ def golden_gate_frequencies(num_heads: int, head_dim: int, min_freq: float = 0.2
     return torch.stack([angle.cos(), angle.sin()]) * magnitude
 
 
-def spiral_frequencies(head_dim: int, num_directions: int = 4, max_freq: float = 1.5, theta: float = 10000.0,
-                       same_freqs: bool = False, truncate: float = 0.0) -> torch.Tensor:
-    """Spiral RoPE's frequency vectors ``(2, hd/2)`` (x first), float64, in the released pair order.
+def spiral_layout(head_dim: int, num_directions: int = 4, max_freq: float = 1.5, theta: float = 10000.0,
+                  same_freqs: bool = False, truncate: float = 0.0
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Spiral RoPE's pairs in the released order: unit directions ``(2, hd/2)`` (x first), magnitudes
+    ``(hd/2,)`` and whether each pair was turned from the y axis ``(hd/2,)`` (else from x), float64.
 
     With ``R = num_directions / 2``: the first half of the pairs measures along y (rows), the second
     along x (columns); in every run of ``2R`` consecutive pairs the ``i``-th two are turned by
@@ -75,7 +78,15 @@ def spiral_frequencies(head_dim: int, num_directions: int = 4, max_freq: float =
     along_y = p < quarter
     ux = torch.where(along_y, alpha.sin(), alpha.cos())
     uy = torch.where(along_y, alpha.cos(), -alpha.sin())
-    return torch.stack([ux, uy]) * magnitude[index]
+    return torch.stack([ux, uy]), magnitude[index], along_y
+
+
+def spiral_frequencies(head_dim: int, num_directions: int = 4, max_freq: float = 1.5, theta: float = 10000.0,
+                       same_freqs: bool = False, truncate: float = 0.0) -> torch.Tensor:
+    """Spiral RoPE's frequency vectors ``(2, hd/2)`` (x first), float64: `spiral_layout`'s directions
+    times magnitudes."""
+    direction, magnitude, _ = spiral_layout(head_dim, num_directions, max_freq, theta, same_freqs, truncate)
+    return direction * magnitude
 
 
 def _check_planar(name: str, ctx: PEContext) -> None:
@@ -187,11 +198,16 @@ class RopeSpiral(DirectionalRope):
     the released DeiT does (`spiral_frequencies`): magnitudes ``max_freq * theta^(-2j/E)``, every
     direction with magnitudes of its own unless ``same_freqs``. Positions as released:
     ``grid_mode='normalized'``, patch index times training grid over grid (interpolation at other
-    sizes). The class token is not rotated. The released code rotates the angle *image* of each
-    direction about the grid centre by bilinear resampling, which keeps ``u . p`` exactly inside the
-    rotated square and clamps it to the grid's range outside (the corners): vispe uses ``u . p``
-    everywhere, so it is exactly shift-invariant; the two agree on every patch whose rotated position
-    stays in the grid (checkpoint loading: `vispe.spiral_weights`).
+    sizes). The class token is not rotated.
+
+    The released code turns the angle *image* of each direction about the grid centre by bilinear
+    resampling with border padding: the angle is ``w * clamp(c_b + u . (p - c), 0, 2 c_b)`` (``c`` the
+    grid centre, ``c_b`` its coordinate along the pair's unturned axis), linear where the turned
+    position stays in the grid and clamped in the corners. ``corners='linear'`` (default) uses
+    ``w * u . p`` everywhere, exactly shift-invariant, equal to the released angles up to a constant
+    per pair on every patch whose turned positions stay in the grid, hence the same patch-to-patch
+    logits there; ``corners='clamp'`` reproduces the released angles everywhere (needed for the
+    released checkpoints' logits), at the cost of shift invariance near the corners.
 
     Args:
         num_directions: K, an even number >= 2 (2 is axial RoPE); head_dim must be divisible by 2K
@@ -201,6 +217,7 @@ class RopeSpiral(DirectionalRope):
         same_freqs: every direction gets the same magnitudes (the released ``same_theta``).
         truncate: share of the lowest magnitudes set to 0, in ``[0, 1)``.
         grid_mode: ``normalized`` (released) or ``index``.
+        corners: ``linear`` or ``clamp`` (the released code's angles, see above).
     """
     paper = 'Spiral RoPE, arXiv:2602.03227, 2026'
 
@@ -214,6 +231,7 @@ class RopeSpiral(DirectionalRope):
             same_freqs: bool = False,
             truncate: float = 0.0,
             grid_mode: Literal['normalized', 'index'] = 'normalized',
+            corners: Literal['linear', 'clamp'] = 'linear',
     ) -> None:
         name = 'rope_spiral'
         check_min_int(name, 'num_directions', num_directions, 2)
@@ -229,12 +247,39 @@ class RopeSpiral(DirectionalRope):
         if grid_mode not in ('normalized', 'index'):
             raise ValueError(f"option 'grid_mode' of encoding {name!r} must be one of ('normalized', 'index'), "
                              f"got {grid_mode!r}")
+        if corners not in ('linear', 'clamp'):
+            raise ValueError(f"option 'corners' of encoding {name!r} must be one of ('linear', 'clamp'), "
+                             f"got {corners!r}")
         multiple = (4 if same_freqs else 2) * num_directions
         if ctx.head_dim % multiple:
             raise ValueError(f'encoding {name!r} with num_directions={num_directions}'
                              f'{", same_freqs=True" if same_freqs else ""} needs head_dim divisible by {multiple}, '
                              f'got head_dim={ctx.head_dim}')
-        freqs = spiral_frequencies(ctx.head_dim, num_directions, max_freq, theta, same_freqs, truncate)
-        super().__init__(ctx, grid_mode, freqs[:, None, None])
+        direction, magnitude, along_y = spiral_layout(ctx.head_dim, num_directions, max_freq, theta, same_freqs,
+                                                      truncate)
+        super().__init__(ctx, grid_mode, (direction * magnitude)[:, None, None])
         self.num_directions, self.max_freq, self.theta = num_directions, max_freq, theta
-        self.same_freqs, self.truncate = same_freqs, truncate
+        self.same_freqs, self.truncate, self.corners = same_freqs, truncate, corners
+        if corners == 'clamp':
+            self.shift_invariant = False
+            self.register_buffer('direction', direction.to(torch.float32), persistent=False)
+            self.register_buffer('magnitude', magnitude.to(torch.float32), persistent=False)
+            self.register_buffer('along_y', along_y, persistent=False)
+
+    def per_grid(self) -> bool:
+        return self.corners == 'clamp'  # the clamp range is the grid's: each grid of a NaFlex batch alone
+
+    def angles(self, coords, pos):
+        if self.corners == 'linear':
+            return super().angles(coords, pos)
+        grid = pos.index_grid or pos.train_grid
+        if grid is None:
+            raise ValueError("encoding 'rope_spiral' with corners='clamp' needs grid positions (the clamp range "
+                             "is the grid's)")
+        h, w = grid
+        train = pos.train_grid if self.grid_mode == 'normalized' and pos.train_grid is not None else grid
+        centre = coords.new_tensor([(w - 1) / 2 * train[1] / w, (h - 1) / 2 * train[0] / h])  # x first
+        along = torch.where(self.along_y, centre[1], centre[0])  # (P,): c_b
+        turned = (coords - centre) @ self.direction.to(coords.dtype) + along  # (..., N, P)
+        theta = torch.minimum(turned.clamp(min=0), 2 * along) * self.magnitude.to(coords.dtype)
+        return theta.unsqueeze(-3).unsqueeze(0), 1.0  # (1, [B,] 1, N, P): every layer and head
