@@ -77,7 +77,8 @@ POSITIVE_OPTIONS = [
     ('prope', 'theta'), ('sincos', 'temperature'), ('detr_sine', 'temperature'), ('detr_sine', 'scale'),
     ('detr_sine', 'eps'),
     ('rope_axial', 'scaling_factor'), ('rope_mixed', 'scaling_factor'), ('gta_multiview', 'max_freq'),
-    ('fourier_gaussian', 'scale'),
+    ('fourier_gaussian', 'scale'), ('rope_golden', 'min_freq'), ('rope_golden', 'max_freq'),
+    ('rope_golden', 'direction_spacing'), ('rope_spiral', 'max_freq'), ('rope_spiral', 'theta'),
 ]
 
 

@@ -130,7 +130,8 @@ class RopeGolden(DirectionalRope):
         max_freq: highest frequency magnitude.
         p_zero_freqs: share of the pairs left unrotated, in ``[0, 1]``.
         direction_spacing: angle between the directions of consecutive pairs, radians.
-        grid_mode: ``image`` (centred, aspect-preserving unit area), ``index`` or ``normalized``.
+        grid_mode: ``image`` (centred, aspect-preserving unit area; point sets keep their coordinates),
+            ``index`` or ``normalized``.
     """
     paper = 'J. Xiong, "On N-dimensional Rotary Positional Embeddings", blog post, 2025'
 
@@ -171,9 +172,8 @@ class RopeGolden(DirectionalRope):
             scale, shift = zip(*(_image_affine(g, coords) for g in pos.index_grids))
             return coords * torch.stack(scale).unsqueeze(1) + torch.stack(shift).unsqueeze(1)
         grid = pos.index_grid or pos.train_grid
-        if grid is None:
-            raise ValueError("encoding 'rope_golden' with grid_mode='image' needs grid positions; use "
-                             "grid_mode='index' for point sets")
+        if grid is None:  # a point set: its coordinates as they are (the released N-d form)
+            return coords
         scale, shift = _image_affine(grid, coords)
         return coords * scale + shift
 
@@ -266,20 +266,25 @@ class RopeSpiral(DirectionalRope):
             self.register_buffer('magnitude', magnitude.to(torch.float32), persistent=False)
             self.register_buffer('along_y', along_y, persistent=False)
 
-    def per_grid(self) -> bool:
-        return self.corners == 'clamp'  # the clamp range is the grid's: each grid of a NaFlex batch alone
-
     def angles(self, coords, pos):
         if self.corners == 'linear':
             return super().angles(coords, pos)
-        grid = pos.index_grid or pos.train_grid
-        if grid is None:
+        grids = pos.index_grids or [pos.index_grid or pos.train_grid]  # a NaFlex batch: each sample's own
+        if None in grids:
             raise ValueError("encoding 'rope_spiral' with corners='clamp' needs grid positions (the clamp range "
                              "is the grid's)")
-        h, w = grid
-        train = pos.train_grid if self.grid_mode == 'normalized' and pos.train_grid is not None else grid
-        centre = coords.new_tensor([(w - 1) / 2 * train[1] / w, (h - 1) / 2 * train[0] / h])  # x first
-        along = torch.where(self.along_y, centre[1], centre[0])  # (P,): c_b
+        centre = coords.new_tensor([self._centre(g, pos.train_grid) for g in grids])  # (G, 2), x first
+        if pos.index_grids is not None:
+            centre = centre.unsqueeze(1)  # (B, 1, 2) against coords (B, N, 2)
+        else:
+            centre = centre[0]
+        along = torch.where(self.along_y, centre[..., 1:], centre[..., :1])  # c_b: (..., P)
         turned = (coords - centre) @ self.direction.to(coords.dtype) + along  # (..., N, P)
         theta = torch.minimum(turned.clamp(min=0), 2 * along) * self.magnitude.to(coords.dtype)
         return theta.unsqueeze(-3).unsqueeze(0), 1.0  # (1, [B,] 1, N, P): every layer and head
+
+    def _centre(self, grid: Tuple[int, ...], train_grid) -> Tuple[float, float]:
+        """The grid centre (x, y) in this encoding's coordinates (normalized: index * train / n)."""
+        h, w = grid
+        th, tw = train_grid if self.grid_mode == 'normalized' and train_grid is not None else grid
+        return (w - 1) / 2 * tw / w, (h - 1) / 2 * th / h
