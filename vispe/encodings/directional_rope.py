@@ -95,6 +95,12 @@ def _check_planar(name: str, ctx: PEContext) -> None:
                          f'{ctx.host_axes} coordinate axes (grid {ctx.grid_size})')
 
 
+def _check_plane_positions(name: str, coords: torch.Tensor) -> None:
+    if coords.shape[-1] != 2:
+        raise ValueError(f'encoding {name!r} spreads directions over the 2D plane, but the positions have '
+                         f'{coords.shape[-1]} coordinate axes')
+
+
 class DirectionalRope(MixedAnglePE):
     """`MixedAnglePE` with fixed frequency vectors ``(2, 1, H', hd/2)``: one table for every layer.
 
@@ -174,6 +180,7 @@ class RopeGolden(DirectionalRope):
         grid = pos.index_grid or pos.train_grid
         if grid is None:  # a point set: its coordinates as they are (the released N-d form)
             return coords
+        _check_plane_positions(self.name, coords)
         scale, shift = _image_affine(grid, coords)
         return coords * scale + shift
 
@@ -269,6 +276,7 @@ class RopeSpiral(DirectionalRope):
     def angles(self, coords, pos):
         if self.corners == 'linear':
             return super().angles(coords, pos)
+        _check_plane_positions(self.name, coords)
         grids = pos.index_grids or [pos.index_grid or pos.train_grid]  # a NaFlex batch: each sample's own
         if None in grids:
             raise ValueError("encoding 'rope_spiral' with corners='clamp' needs grid positions (the clamp range "
