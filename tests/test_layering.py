@@ -22,7 +22,7 @@ VISPE_LAYERS: List[Tuple[str, ...]] = [
     ('vispe.layers',),  # PE-aware timm attention and blocks
     ('vispe.host',),
     ('vispe.vit',),
-    ('vispe.zoo',),
+    ('vispe.zoo', 'vispe.released'),  # checkpoints released with papers, loaded into vispe ViTs
     ('vispe.integrations',),  # adapters into other libraries' models
     ('vispe', 'vispe.__main__'),
 ]

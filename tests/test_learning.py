@@ -57,6 +57,8 @@ LEARNS = {
     'string_cayley': Expect('string_cayley', 'relation', 90),
     'string_circulant': Expect('string_circulant', 'relation', 90),
     'gta': Expect('gta', 'relation', 90),
+    'rope_golden': Expect('rope_golden', 'relation', 90),  # 99.6 / 100 % on seeds 0-1
+    'rope_spiral': Expect('rope_spiral', 'relation', 90),  # 100 / 100 % on seeds 0-1
     # PaPE's 50 parabolas saturate the softmax at init (logit std over 30 here): it learns, erratically
     'pape': Expect('pape', 'relation', 40),
     # iRPE as released (zero tables, on K) stays at chance for 300 steps and leaves that plateau at a

@@ -28,6 +28,9 @@ CASES = [
     ('string_cayley', {}), ('string_cayley', {'skew_init_std': 0.1, 'grid_mode': 'normalized'}),
     ('string_circulant', {}), ('string_circulant', {'grid_mode': 'normalized', 'block': 8}),
     ('gta', {}), ('gta', {'grid_mode': 'normalized'}),
+    ('rope_golden', {}), ('rope_golden', {'grid_mode': 'index', 'p_zero_freqs': 0.25}),
+    ('rope_spiral', {}), ('rope_spiral', {'grid_mode': 'index', 'num_directions': 8}),
+    ('rope_spiral', {'corners': 'clamp'}),
 ]
 
 # (grids, prefix tokens, padded token count); training grid (4, 4)

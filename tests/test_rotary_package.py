@@ -18,7 +18,7 @@ from conftest import random_intrinsics, random_poses
 DT = torch.float64
 HEAD_DIM, THETA = 32, 100.0
 ROTARY_ENCODINGS = ('rope_axial', 'rope_mixed', 'liere', 'comrope_ap', 'comrope_ld', 'string_cayley',
-                    'string_circulant', 'gta', 'gta_multiview', 'prope')
+                    'string_circulant', 'gta', 'gta_multiview', 'prope', 'rope_golden', 'rope_spiral')
 
 
 def _transformers_inv_freq(rope_type: str, max_positions: int, seq_len=None, **params):

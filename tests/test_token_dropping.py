@@ -23,7 +23,7 @@ VARIANTS = ['rope_axial:grid_mode=normalized', 'rope_axial:scaling=yarn', 'rope_
             'rope_mixed:scaling=linear', 'rope_timm:rope_type=dinov3', 'liere:positions=normalized',
             'liere:positions=index', 'liere:gd=2', 'comrope_ap:block=4', 'comrope_ld:normalize=grid',
             'gta:grid_mode=normalized', 'irpe:method=euclidean', 'alibi2d:grid_mode=normalized',
-            'pape:grid_mode=normalized']
+            'pape:grid_mode=normalized', 'rope_golden:grid_mode=index', 'rope_spiral:corners=clamp']
 SPECS = [p for p in image_pes() if create_pe(p, dim=DIM, num_heads=HEADS, depth=2, grid_size=TRAIN,
                                                num_prefix_tokens=1).capabilities.hooks & IN_ATTENTION] + VARIANTS
 

@@ -243,7 +243,8 @@ def invertible_matrices(case):
 # ------------------------------------------------------------------ encodings end to end
 @pytest.mark.parametrize('spec', ['rope_axial:scaling=yarn', 'rope_mixed', 'liere:gd=2', 'liere:gd=8',
                                   'comrope_ap:block=4', 'comrope_ld:block=8', 'rope_timm:rotate_half=true',
-                                  'rope_timm:rope_type=dinov3,rotate_half=true'])
+                                  'rope_timm:rope_type=dinov3,rotate_half=true', 'rope_golden',
+                                  'rope_spiral:corners=clamp'])
 def test_encoding_trains_identically_with_fused_kernels(run, spec):
     """The q / k hook on a non-square grid larger than the training grid, with a class token; gradients
     reach q, k and the encoding's parameters alike (LieRE gd 8 on head dim 20: 4 channels pass through;

@@ -23,7 +23,7 @@ from ..rotary.kernels import pad_identity
 from ._checks import check_nonnegative, check_positive
 from ..contract import PEContext, resolve_num_axes
 
-__all__ = ['RopeAxial', 'RopeMixed', 'PairRotaryPE']
+__all__ = ['RopeAxial', 'RopeMixed', 'MixedAnglePE', 'PairRotaryPE']
 
 
 class PairRotaryPE(RotationPE):
@@ -43,9 +43,13 @@ class PairRotaryPE(RotationPE):
     def angles(self, coords: torch.Tensor, pos: Positions) -> Tuple[torch.Tensor, Any]:
         raise NotImplementedError
 
+    def coordinates(self, pos: Positions) -> torch.Tensor:
+        """Token coordinates ``(..., N, D)``, x (column) first, in ``grid_mode``."""
+        return grid_coordinates(pos, self.grid_mode).flip(-1)
+
     def table(self, pos: Positions) -> torch.Tensor:
         """Complex rotation table, `angles`' shape with ``N_total`` rows, prefix tokens = identity."""
-        coords = grid_coordinates(pos, self.grid_mode).flip(-1)  # x (column) first
+        coords = self.coordinates(pos)
         coords = coords.to(compute_dtype(coords))
         theta, magnitude = self.angles(coords, pos)
         return pad_identity(rotation_table(theta, magnitude), pos.num_prefix, 'table')
@@ -162,8 +166,64 @@ class RopeAxial(PairRotaryPE):
         return torch.cat([coords[..., a:a + 1] * freqs[..., a, :] for a in range(axes)], -1), mags
 
 
+class MixedAnglePE(PairRotaryPE):
+    """Pairs rotated by angles ``sum_a p_a f_a`` (x first): one D-dimensional frequency vector per pair,
+    in ``self.freqs`` of shape ``(D, L', H', hd/2)`` (``L' = 1`` / ``H' = 1``: shared by every layer /
+    head). The angle is linear in position, hence exactly shift-invariant. RoPE-Mixed learns the
+    vectors; the directional RoPEs (`vispe.encodings.directional_rope`) fix them. Subclasses set
+    ``self.freqs`` (a parameter or a buffer) after calling this constructor.
+
+    Args:
+        grid_mode: ``index`` or ``normalized``.
+        num_axes: coordinate axes D (default: the host grid's, else 2).
+        scaling: ``none``, ``linear`` or ``yarn`` frequency scaling for larger inputs (per axis).
+        scaling_factor: fixed factor instead of the per-axis ratio to the training grid.
+    """
+    freqs: torch.Tensor
+
+    def __init__(self, ctx: PEContext, grid_mode: GridMode, num_axes: Optional[int] = None,
+                 scaling: Literal['none', 'linear', 'yarn'] = 'none', scaling_factor: Optional[float] = None) -> None:
+        super().__init__(ctx, grid_mode)
+        self.num_axes = resolve_num_axes(ctx, num_axes, self.name)
+        # NTK's base scaling assumes one geometric table, which mixed frequencies are not
+        self.scaling = _check_scaling(self.name, scaling, ('none', 'linear', 'yarn'))
+        self.scaling_factor = _check_factor(self.name, scaling_factor)
+
+    def scaled_frequencies(self, axis: int, dtype: torch.dtype, grid: Optional[Tuple[int, ...]],
+                           train_grid: Optional[Tuple[int, ...]]) -> Tuple[torch.Tensor, float]:
+        """Frequencies ``(L', H', P)`` of coordinate axis ``axis`` (x first) scaled for ``grid``, and the
+        magnitude."""
+        factor, train_len = _axis_factor(grid, train_grid, axis, self.scaling_factor)
+        return scale_frequencies(self.freqs[axis].to(dtype), factor, self.scaling, train_len)
+
+    def angles(self, coords, pos):
+        if coords.shape[-1] != self.num_axes:
+            raise ValueError(f"encoding {self.name!r} was built for {self.num_axes} coordinate axes, "
+                             f"positions have {coords.shape[-1]}")
+        per_sample = _sample_scaled(pos, self.scaling)
+        theta = 0
+        mag = [1.0] * len(pos.index_grids) if per_sample else 1.0
+        for a in range(self.num_axes):
+            c = coords[..., a]
+            if per_sample:  # each sample scaled for its own grid: (L', B, H', 1, P)
+                scaled = [self.scaled_frequencies(a, coords.dtype, g, pos.train_grid or g) for g in pos.index_grids]
+                f = torch.stack([freqs for freqs, _ in scaled], 1).unsqueeze(-2)
+                mag = [max(m, s) for m, (_, s) in zip(mag, scaled)]
+                theta = theta + c.unsqueeze(-1).unsqueeze(-3) * f
+            else:
+                freqs, m = self.scaled_frequencies(a, coords.dtype, pos.index_grid, pos.train_grid)
+                mag = max(mag, m)
+                theta = theta + mixed_axis_angles(c, freqs)
+        if per_sample:  # (B, 1, 1, 1): broadcast against (L', B, H', N, P)
+            mag = torch.tensor(mag, dtype=coords.dtype, device=coords.device).reshape(-1, 1, 1, 1)
+        return theta, mag
+
+    def rotation(self, pos: Positions, batch: Optional[int] = None) -> torch.Tensor:
+        return self.table(pos)  # (L', [B,] H', N_total, P): one table per layer, or one for all
+
+
 @register_pe('rope_mixed', family='rope')
-class RopeMixed(PairRotaryPE):
+class RopeMixed(MixedAnglePE):
     """RoPE-Mixed (Heo et al., ECCV 2024): learned D-dimensional frequency per layer, head and pair.
 
     The angle of pair ``k`` is ``sum_a p_a f_a`` (x first), still linear in position, hence exactly
@@ -193,15 +253,11 @@ class RopeMixed(PairRotaryPE):
             scaling: Literal['none', 'linear', 'yarn'] = 'none',
             scaling_factor: Optional[float] = None,
     ) -> None:
-        super().__init__(ctx, grid_mode)
+        super().__init__(ctx, grid_mode, num_axes, scaling, scaling_factor)
         if ctx.head_dim % 4:
             raise ValueError(f"encoding 'rope_mixed' needs head_dim divisible by 4 (two halves of pairs), "
                              f"got head_dim={ctx.head_dim}")
-        self.num_axes = resolve_num_axes(ctx, num_axes, self.name)
         self.theta = check_positive(self.name, 'theta', theta)
-        # NTK's base scaling assumes one geometric table, which learned frequencies are not
-        self.scaling = _check_scaling(self.name, scaling, ('none', 'linear', 'yarn'))
-        self.scaling_factor = _check_factor(self.name, scaling_factor)
         self.freqs = nn.Parameter(self.init_freqs(self.num_axes, ctx.depth, ctx.num_heads, ctx.head_dim, theta))
 
     @staticmethod
@@ -221,35 +277,3 @@ class RopeMixed(PairRotaryPE):
 
     def no_weight_decay(self) -> set:
         return {'freqs'}
-
-    def scaled_frequencies(self, axis: int, dtype: torch.dtype, grid: Optional[Tuple[int, ...]],
-                           train_grid: Optional[Tuple[int, ...]]) -> Tuple[torch.Tensor, float]:
-        """Frequencies ``(L, H, P)`` of coordinate axis ``axis`` (x first) scaled for ``grid``, and the
-        magnitude."""
-        factor, train_len = _axis_factor(grid, train_grid, axis, self.scaling_factor)
-        return scale_frequencies(self.freqs[axis].to(dtype), factor, self.scaling, train_len)
-
-    def angles(self, coords, pos):
-        if coords.shape[-1] != self.num_axes:
-            raise ValueError(f"encoding 'rope_mixed' was built for {self.num_axes} coordinate axes, "
-                             f"positions have {coords.shape[-1]}")
-        per_sample = _sample_scaled(pos, self.scaling)
-        theta = 0
-        mag = [1.0] * len(pos.index_grids) if per_sample else 1.0
-        for a in range(self.num_axes):
-            c = coords[..., a]
-            if per_sample:  # each sample scaled for its own grid: (L, B, H, 1, P)
-                scaled = [self.scaled_frequencies(a, coords.dtype, g, pos.train_grid or g) for g in pos.index_grids]
-                f = torch.stack([freqs for freqs, _ in scaled], 1).unsqueeze(-2)
-                mag = [max(m, s) for m, (_, s) in zip(mag, scaled)]
-                theta = theta + c.unsqueeze(-1).unsqueeze(-3) * f
-            else:
-                freqs, m = self.scaled_frequencies(a, coords.dtype, pos.index_grid, pos.train_grid)
-                mag = max(mag, m)
-                theta = theta + mixed_axis_angles(c, freqs)
-        if per_sample:  # (B, 1, 1, 1): broadcast against (L, B, H, N, P)
-            mag = torch.tensor(mag, dtype=coords.dtype, device=coords.device).reshape(-1, 1, 1, 1)
-        return theta, mag
-
-    def rotation(self, pos: Positions, batch: Optional[int] = None) -> torch.Tensor:
-        return self.table(pos)  # (L, [B,] H, N_total, P): one table per layer
