@@ -20,7 +20,7 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ..rotary import RotationPE, axial_frequencies, rotate_qk, rotation_table, scale_frequencies
-from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling, mixed_axis_angles
+from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling, mixed_axis_angles, riflex_frequencies
 from .._dtypes import compute_dtype
 from ..rotary.kernels import PairLayout, pad_identity
 from ._checks import check_nonnegative, check_positive
@@ -98,8 +98,8 @@ class RopeAxial(PairRotaryPE):
 
     Frequency scaling for larger inputs, per axis with factor ``n / n_train`` (or ``scaling_factor``):
     ``linear`` (position interpolation), ``ntk`` (NTK-aware base), ``yarn`` (YaRN by parts),
-    ``riflex`` (RIFLEx: only the intrinsic frequency lowered; for video, the time axis is the one that
-    grows).
+    ``riflex`` (RIFLEx: only the intrinsic frequency of a longer axis lowered; for video, the time axis is
+    the one that grows).
 
     Channel layout: ``layout='interleaved'`` (RoPE-ViT) rotates pairs ``(2j, 2j + 1)``, axis ``a`` taking
     pairs ``[a P_a, (a + 1) P_a)``; ``layout='half'`` gives axis ``a`` the channel group
@@ -115,6 +115,9 @@ class RopeAxial(PairRotaryPE):
         scaling_factor: fixed factor instead of the per-axis ratio to the training grid.
         yarn_beta_fast: YaRN ramp end (turns over the training length), > ``yarn_beta_slow``.
         yarn_beta_slow: YaRN ramp start (>= 0).
+        riflex_repetition: RIFLEx's ``N``, the length (in positions of a longer axis) after which the
+            trained model repeats itself; its intrinsic frequency has the period nearest ``N``. None:
+            the axis' training length.
         layout: ``interleaved`` or ``half`` (rotate-half pairs within each axis' channel group); with
             ``half`` the number of axes is the host's (its grid's, else 2).
         axis_order: ``xy`` (x first) or ``yx`` (grid order: y first, after t for video).
@@ -132,6 +135,7 @@ class RopeAxial(PairRotaryPE):
             scaling_factor: Optional[float] = None,
             yarn_beta_fast: float = 32.0,
             yarn_beta_slow: float = 1.0,
+            riflex_repetition: Optional[float] = None,
             layout: PairLayout = 'interleaved',
             axis_order: AxisOrder = 'xy',
     ) -> None:
@@ -148,6 +152,8 @@ class RopeAxial(PairRotaryPE):
             raise ValueError(f"option 'yarn_beta_fast' of encoding {self.name!r} must be > yarn_beta_slow={slow}, "
                              f'got {fast}')
         self.yarn_betas = (fast, slow)
+        self.riflex_repetition = (None if riflex_repetition is None else
+                                  check_positive(self.name, 'riflex_repetition', riflex_repetition))
         self.layout = _check_choice(self.name, 'layout', layout, ('interleaved', 'half'))
         self.axis_order = _check_choice(self.name, 'axis_order', axis_order, ('xy', 'yx'))
         # rotate-half pairs stay inside each axis' channel group: qk must know the groups, hence the axes
@@ -173,7 +179,10 @@ class RopeAxial(PairRotaryPE):
         freqs, mags = [], []
         for a in range(num_axes):
             factor, train_len = _axis_factor(grid, train_grid, a, self.scaling_factor)
-            f, mag = scale_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas)
+            if self.scaling == 'riflex' and self.riflex_repetition is not None and factor > 1:
+                f, mag = riflex_frequencies(base, factor * train_len, self.riflex_repetition), 1.0
+            else:
+                f, mag = scale_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas)
             freqs.append(f)
             mags.append(torch.full_like(f, mag))
         return torch.stack(freqs), torch.stack(mags)
