@@ -62,12 +62,6 @@ def _check_scaling(name: str, scaling: str, allowed: Tuple[str, ...]) -> str:
     return scaling
 
 
-def _check_choice(name: str, option: str, value: str, allowed: Tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f'option {option} of encoding {name!r} must be one of {allowed}, got {value!r}')
-    return value
-
-
 def _check_factor(name: str, scaling_factor: Optional[float]) -> Optional[float]:
     return None if scaling_factor is None else check_positive(name, 'scaling_factor', scaling_factor)
 
@@ -154,8 +148,7 @@ class RopeAxial(PairRotaryPE):
         self.yarn_betas = (fast, slow)
         self.riflex_repetition = (None if riflex_repetition is None else
                                   check_positive(self.name, 'riflex_repetition', riflex_repetition))
-        self.layout = _check_choice(self.name, 'layout', layout, ('interleaved', 'half'))
-        self.axis_order = _check_choice(self.name, 'axis_order', axis_order, ('xy', 'yx'))
+        self.layout, self.axis_order = layout, axis_order  # checked against their Literal types by the registry
         # rotate-half pairs stay inside each axis' channel group: qk must know the groups, hence the axes
         self.group_axes = resolve_num_axes(ctx, None, self.name) if layout == 'half' else None
 
