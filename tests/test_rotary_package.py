@@ -17,7 +17,7 @@ from conftest import random_intrinsics, random_poses
 
 DT = torch.float64
 HEAD_DIM, THETA = 32, 100.0
-ROTARY_ENCODINGS = ('rope_axial', 'rope_mixed', 'liere', 'comrope_ap', 'comrope_ld', 'string_cayley',
+ROTARY_ENCODINGS = ('rope_axial', 'rope2d', 'rope_mixed', 'liere', 'comrope_ap', 'comrope_ld', 'string_cayley',
                     'string_circulant', 'gta', 'gta_multiview', 'prope')
 
 
