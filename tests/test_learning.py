@@ -50,6 +50,7 @@ LEARNS = {
     # relative encodings in q / k (and v): the relation directly
     'rope_axial': Expect('rope_axial', 'relation', 90),
     'rope_mixed': Expect('rope_mixed', 'relation', 90),
+    'rope2d': Expect('rope2d', 'relation', 90),  # rope_axial in CroCo's channel layout
     'rope_timm': Expect('rope_timm', 'relation', 90),  # EVA-02's rope (100 % on seeds 0-2)
     'liere': Expect('liere', 'relation', 90),
     'comrope_ap': Expect('comrope_ap', 'relation', 90),

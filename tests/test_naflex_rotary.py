@@ -12,7 +12,8 @@ from conftest import naflex_max_error
 # (encoding, options): defaults and every grid-mode / normalisation option that reads the grid
 CASES = [
     ('rope_axial', {}), ('rope_axial', {'grid_mode': 'normalized'}), ('rope_axial', {'scaling': 'linear'}),
-    ('rope_axial', {'scaling': 'ntk'}), ('rope_axial', {'scaling': 'yarn'}),
+    ('rope_axial', {'scaling': 'ntk'}), ('rope_axial', {'scaling': 'yarn'}), ('rope_axial', {'scaling': 'riflex'}),
+    ('rope2d', {}), ('rope2d', {'grid_mode': 'normalized'}), ('rope2d', {'scaling': 'riflex'}),
     ('rope_mixed', {}), ('rope_mixed', {'grid_mode': 'normalized'}), ('rope_mixed', {'scaling': 'linear'}),
     ('rope_mixed', {'scaling': 'yarn'}),
     ('rope_timm', {}), ('rope_timm', {'ref_feat_shape': (4, 4)}),
@@ -42,8 +43,8 @@ MIXES = [
 
 # video (t, h, w): the encodings that take three axes, with their frame-axis options; training grid (2, 4, 4)
 VIDEO_CASES = [
-    ('rope_axial', {}), ('rope_axial', {'scaling': 'yarn'}), ('rope_mixed', {'grid_mode': 'normalized'}),
-    ('liere', {}), ('comrope_ap', {}), ('comrope_ap', {'time_scale': 'frames', 'block': 4}),
+    ('rope_axial', {}), ('rope_axial', {'scaling': 'yarn'}), ('rope_axial', {'scaling': 'riflex'}), ('rope2d', {}),
+    ('rope_mixed', {'grid_mode': 'normalized'}), ('liere', {}), ('comrope_ap', {}), ('comrope_ap', {'time_scale': 'frames', 'block': 4}),
     ('comrope_ld', {'block': 4}), ('comrope_ld', {'time_scale': 'frames', 'ape': True}),
     ('string_cayley', {}), ('string_circulant', {}), ('gta', {}),
 ]

@@ -17,7 +17,7 @@ from conftest import random_intrinsics, random_poses
 
 DT = torch.float64
 HEAD_DIM, THETA = 32, 100.0
-ROTARY_ENCODINGS = ('rope_axial', 'rope_mixed', 'liere', 'comrope_ap', 'comrope_ld', 'string_cayley',
+ROTARY_ENCODINGS = ('rope_axial', 'rope2d', 'rope_mixed', 'liere', 'comrope_ap', 'comrope_ld', 'string_cayley',
                     'string_circulant', 'gta', 'gta_multiview', 'prope', 'rope_golden', 'rope_spiral')
 
 
@@ -37,11 +37,11 @@ def _llama_table() -> torch.Tensor:
 
 # ------------------------------------------------------------------ frequencies and their scaling
 def test_scaling_table_names_every_method_and_rejects_others():
-    assert tuple(FREQUENCY_SCALING) == ('none', 'linear', 'ntk', 'yarn')
-    with pytest.raises(ValueError, match=r"one of \('none', 'linear', 'ntk', 'yarn'\), got 'dynamic'"):
+    assert tuple(FREQUENCY_SCALING) == ('none', 'linear', 'ntk', 'yarn', 'riflex')
+    with pytest.raises(ValueError, match=r"one of \('none', 'linear', 'ntk', 'yarn', 'riflex'\), got 'dynamic'"):
         scale_frequencies(_llama_table(), 2.0, 'dynamic', 16.0)
     rope_axial = vispe.pe_info('rope_axial')['cls']
-    with pytest.raises(ValueError, match=r"scaling.* of encoding 'rope_axial'.*'none', 'linear', 'ntk', 'yarn'"):
+    with pytest.raises(ValueError, match=r"scaling.* of encoding 'rope_axial'.*'none', 'linear', 'ntk', 'yarn', 'riflex'"):
         rope_axial(vispe.PEContext(dim=64, num_heads=2), scaling='longrope')
 
 

@@ -14,7 +14,8 @@ from vispe.rotary.kernels import apply_block_rotation
 # DETR's own attention dropout (0.1) kept: SDPA's dropout backward hands over a gradient whose channels
 # are not at stride 1, the layout that once broke the rotary backward
 DETR_TINY = dict(hidden_dim=32, num_heads=4, enc_layers=1, dec_layers=1, dim_feedforward=64, num_queries=4)
-ROTARY = ['rope_axial', 'rope_mixed', 'liere', 'comrope_ap', 'string_cayley', 'gta', 'rope_golden', 'rope_spiral']
+ROTARY = ['rope_axial', 'rope2d', 'rope_mixed', 'liere', 'comrope_ap', 'string_cayley', 'gta', 'rope_golden',
+          'rope_spiral']
 
 
 def _layouts(B=2, H=2, N=6, hd=8):

@@ -20,6 +20,7 @@ DIM, HEADS = 64, 4
 IN_ATTENTION = {'qk', 'bias', 'value', 'output'}
 # every image encoding acting in attention, plus the options that rescale positions by their grid
 VARIANTS = ['rope_axial:grid_mode=normalized', 'rope_axial:scaling=yarn', 'rope_axial:scaling=ntk',
+            'rope_axial:scaling=riflex', 'rope2d:scaling=riflex',
             'rope_mixed:scaling=linear', 'rope_timm:rope_type=dinov3', 'liere:positions=normalized',
             'liere:positions=index', 'liere:gd=2', 'comrope_ap:block=4', 'comrope_ld:normalize=grid',
             'gta:grid_mode=normalized', 'irpe:method=euclidean', 'alibi2d:grid_mode=normalized',

@@ -241,14 +241,15 @@ def invertible_matrices(case):
 
 
 # ------------------------------------------------------------------ encodings end to end
-@pytest.mark.parametrize('spec', ['rope_axial:scaling=yarn', 'rope_mixed', 'liere:gd=2', 'liere:gd=8',
+@pytest.mark.parametrize('spec', ['rope_axial:scaling=yarn', 'rope2d', 'rope_mixed', 'liere:gd=2', 'liere:gd=8',
                                   'comrope_ap:block=4', 'comrope_ld:block=8', 'rope_timm:rotate_half=true',
                                   'rope_timm:rope_type=dinov3,rotate_half=true', 'rope_golden',
                                   'rope_spiral:corners=clamp'])
 def test_encoding_trains_identically_with_fused_kernels(run, spec):
     """The q / k hook on a non-square grid larger than the training grid, with a class token; gradients
     reach q, k and the encoding's parameters alike (LieRE gd 8 on head dim 20: 4 channels pass through;
-    ComRoPE: per-sample jittered rotations; timm's rotate-half layout: kind ``half_table``)."""
+    ComRoPE: per-sample jittered rotations; timm's rotate-half layout: kind ``half_table``; rope2d: a
+    ``half_table`` rotation of each axis' channel group)."""
     run(encoding_trains_identically, spec)
 
 
@@ -257,8 +258,9 @@ def encoding_trains_identically(spec):
     pe = vispe.create_pe(spec, dim=H * hd, num_heads=H, depth=1, grid_size=(2, 3)).to(DEVICE)
     pos = vispe.positions.grid(3, 4, num_prefix=1, train_grid=(2, 3), device=DEVICE)
     qkv, q, k = fused_qkv(H=H, N=pos.num_tokens, hd=hd)
-    # q and k share one rotation: one launch forward, one backward
-    compare(lambda: pe.prepare(pos).qk(q, k, layer=0), [qkv, *pe.parameters()], 2, tol=1e-4)
+    # q and k share one rotation: one launch forward, one backward (per axis group in rope2d's layout)
+    launches = 4 if spec == 'rope2d' else 2
+    compare(lambda: pe.prepare(pos).qk(q, k, layer=0), [qkv, *pe.parameters()], launches, tol=1e-4)
 
 
 @pytest.mark.parametrize('grid_mode', ['index', 'normalized'])

@@ -5,6 +5,9 @@ linear in the token coordinates, so ``q_i^T R(p_i)^T R(p_j) k_j`` depends on ``p
 (exactly shift-invariant between patch tokens). Prefix tokens are not rotated, so their logits
 with patch tokens see absolute position, as in RoPE-ViT. Coordinate axes are assigned to pairs in
 reverse grid order (x = column first, then y = row, then t), as RoPE-ViT does for 2D.
+
+The same axial mechanism in the other channel layout of the field (rotate-half pairs inside each
+axis' channel group, axes in grid order) is the RoPE2D of the 3D-vision models: see `rope2d`.
 """
 from __future__ import annotations
 
@@ -16,14 +19,16 @@ from torch import nn
 
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
-from ..rotary import RotationPE, axial_frequencies, rotation_table, scale_frequencies
-from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling, mixed_axis_angles
+from ..rotary import RotationPE, axial_frequencies, rotate_qk, rotation_table, scale_frequencies
+from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling, mixed_axis_angles, riflex_frequencies
 from .._dtypes import compute_dtype
-from ..rotary.kernels import pad_identity
+from ..rotary.kernels import PairLayout, pad_identity
 from ._checks import check_nonnegative, check_positive
 from ..contract import PEContext, resolve_num_axes
 
-__all__ = ['RopeAxial', 'RopeMixed', 'MixedAnglePE', 'PairRotaryPE']
+__all__ = ['RopeAxial', 'RopeMixed', 'MixedAnglePE', 'PairRotaryPE', 'AxisOrder']
+
+AxisOrder = Literal['xy', 'yx']
 
 
 class PairRotaryPE(RotationPE):
@@ -90,7 +95,16 @@ class RopeAxial(PairRotaryPE):
     so a larger input extrapolates; ``grid_mode='normalized'`` interpolates instead.
 
     Frequency scaling for larger inputs, per axis with factor ``n / n_train`` (or ``scaling_factor``):
-    ``linear`` (position interpolation), ``ntk`` (NTK-aware base), ``yarn`` (YaRN by parts).
+    ``linear`` (position interpolation), ``ntk`` (NTK-aware base), ``yarn`` (YaRN by parts),
+    ``riflex`` (RIFLEx: only the intrinsic frequency of a longer axis lowered; for video, the time axis is
+    the one that grows).
+
+    Channel layout: ``layout='interleaved'`` (RoPE-ViT) rotates pairs ``(2j, 2j + 1)``, axis ``a`` taking
+    pairs ``[a P_a, (a + 1) P_a)``; ``layout='half'`` gives axis ``a`` the channel group
+    ``[2a P_a, 2(a + 1) P_a)`` and rotates rotate-half pairs inside it, ``(c + j, c + P_a + j)`` with
+    ``c = 2a P_a``, by the same angles (CroCo's RoPE2D; for one axis, LLM code's rotate-half). The two
+    layouts differ by a fixed channel permutation of q and k. ``axis_order='xy'`` gives the first
+    channels to x (the column; RoPE-ViT), ``'yx'`` to y (the row; grid order, as CroCo and VGGT).
 
     Args:
         theta: frequency base (100 in RoPE-ViT).
@@ -99,6 +113,12 @@ class RopeAxial(PairRotaryPE):
         scaling_factor: fixed factor instead of the per-axis ratio to the training grid.
         yarn_beta_fast: YaRN ramp end (turns over the training length), > ``yarn_beta_slow``.
         yarn_beta_slow: YaRN ramp start (>= 0).
+        riflex_repetition: RIFLEx's ``N``, the length (in positions of a longer axis) after which the
+            trained model repeats itself; its intrinsic frequency has the period nearest ``N``. None:
+            the axis' training length.
+        layout: ``interleaved`` or ``half`` (rotate-half pairs within each axis' channel group); with
+            ``half`` the number of axes is the host's (its grid's, else 2).
+        axis_order: ``xy`` (x first) or ``yx`` (grid order: y first, after t for video).
     """
     larger_input = 'extrapolate'
     paper = 'Heo et al., ECCV 2024 (RoPE-ViT), arXiv:2403.13298'
@@ -113,6 +133,9 @@ class RopeAxial(PairRotaryPE):
             scaling_factor: Optional[float] = None,
             yarn_beta_fast: float = 32.0,
             yarn_beta_slow: float = 1.0,
+            riflex_repetition: Optional[float] = None,
+            layout: PairLayout = 'interleaved',
+            axis_order: AxisOrder = 'xy',
     ) -> None:
         super().__init__(ctx, grid_mode)
         if ctx.grid_size is not None and ctx.head_dim // 2 < len(ctx.grid_size):
@@ -127,6 +150,11 @@ class RopeAxial(PairRotaryPE):
             raise ValueError(f"option 'yarn_beta_fast' of encoding {self.name!r} must be > yarn_beta_slow={slow}, "
                              f'got {fast}')
         self.yarn_betas = (fast, slow)
+        self.riflex_repetition = (None if riflex_repetition is None else
+                                  check_positive(self.name, 'riflex_repetition', riflex_repetition))
+        self.layout, self.axis_order = layout, axis_order  # checked against their Literal types by the registry
+        # rotate-half pairs stay inside each axis' channel group: qk must know the groups, hence the axes
+        self.group_axes = resolve_num_axes(ctx, None, self.name) if layout == 'half' else None
 
     def axis_frequencies(self, num_axes: int) -> torch.Tensor:
         """``(P_a,)`` base frequencies of each axis (same for every axis)."""
@@ -148,7 +176,10 @@ class RopeAxial(PairRotaryPE):
         freqs, mags = [], []
         for a in range(num_axes):
             factor, train_len = _axis_factor(grid, train_grid, a, self.scaling_factor)
-            f, mag = scale_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas)
+            if self.scaling == 'riflex' and self.riflex_repetition is not None and factor > 1:
+                f, mag = riflex_frequencies(base, factor * train_len, self.riflex_repetition), 1.0
+            else:
+                f, mag = scale_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas)
             freqs.append(f)
             mags.append(torch.full_like(f, mag))
         return torch.stack(freqs), torch.stack(mags)
@@ -163,7 +194,49 @@ class RopeAxial(PairRotaryPE):
         else:
             freqs, mags = self.scaled_frequencies(base, axes, pos.index_grid, pos.train_grid)
             mags = mags.flatten()
-        return torch.cat([coords[..., a:a + 1] * freqs[..., a, :] for a in range(axes)], -1), mags
+        theta = torch.cat([coords[..., a:a + 1] * freqs[..., a, :] for a in range(axes)], -1)
+        if self.axis_order == 'yx':  # axis blocks of the pairs in grid order instead
+            theta, mags = _reverse_axis_blocks(theta, axes), _reverse_axis_blocks(mags, axes)
+        return theta, mags
+
+    def table(self, pos: Positions) -> torch.Tensor:
+        if self.group_axes is not None and pos.coords.shape[-1] != self.group_axes:
+            raise ValueError(f"encoding {self.name!r} with layout='half' was built for {self.group_axes} coordinate "
+                             f'axes (its host\'s), positions have {pos.coords.shape[-1]}')
+        return super().table(pos)
+
+    def qk(self, q, k, state, layer, x=None):
+        if self.group_axes is None:
+            return super().qk(q, k, state, layer, x)
+        rq, rk = self.layer_state(state, q.shape[0]).layer(layer)
+        return rotate_axis_groups(q, k, rq, rk, self.group_axes)
+
+
+def _reverse_axis_blocks(t: torch.Tensor, axes: int) -> torch.Tensor:
+    """``t`` (``(..., D * P_a)``, one block of pairs per axis) with its axis blocks in reverse order."""
+    return t.unflatten(-1, (axes, -1)).flip(-2).flatten(-2)
+
+
+def rotate_axis_groups(q: torch.Tensor, k: torch.Tensor, table_q: torch.Tensor, table_k: torch.Tensor,
+                       num_axes: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k ``(..., N, hd)`` in CroCo's RoPE2D layout: axis ``a`` owns channels
+    ``[2a P, 2(a + 1) P)`` and rotates them as rotate-half pairs ``(c + j, c + P + j)`` by columns
+    ``[a P, (a + 1) P)`` of the complex tables ``(..., N, num_axes * P)``; channels after the last group
+    pass through. Each group is one `rotate_qk` call of kind ``half_table`` (fused kernels included)."""
+    per_axis = table_q.shape[-1] // num_axes
+    width = 2 * per_axis
+    out_q, out_k = [], []
+    for a in range(num_axes):
+        cols, chans = slice(a * per_axis, (a + 1) * per_axis), slice(a * width, (a + 1) * width)
+        tq = table_q[..., cols]
+        tk = tq if table_k is table_q else table_k[..., cols]  # self-attention: one call for q and k
+        rq, rk = rotate_qk(q[..., chans], k[..., chans], tq, tk, 'half_table')
+        out_q.append(rq)
+        out_k.append(rk)
+    if num_axes * width < q.shape[-1]:
+        out_q.append(q[..., num_axes * width:])
+        out_k.append(k[..., num_axes * width:])
+    return torch.cat(out_q, -1), torch.cat(out_k, -1)
 
 
 class MixedAnglePE(PairRotaryPE):

@@ -15,10 +15,10 @@ activation dtype.
 """
 from .autograd import apply_rotation, fused_mode, rotate_qk, set_fused
 from .base import RotationPE, RotationState
-from .frequencies import FREQUENCY_SCALING, axial_frequencies, scale_frequencies
+from .frequencies import FREQUENCY_SCALING, axial_frequencies, riflex_frequencies, scale_frequencies
 from .kernels import apply_pair_rotation, rotation_table
 
 __all__ = [
     'RotationPE', 'RotationState', 'rotate_qk', 'set_fused', 'fused_mode', 'apply_rotation', 'apply_pair_rotation',
-    'rotation_table', 'axial_frequencies', 'scale_frequencies', 'FREQUENCY_SCALING',
+    'rotation_table', 'axial_frequencies', 'scale_frequencies', 'riflex_frequencies', 'FREQUENCY_SCALING',
 ]

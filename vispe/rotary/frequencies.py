@@ -16,9 +16,10 @@ from typing import Callable, Dict, Literal, Optional, Tuple
 
 import torch
 
-__all__ = ['FrequencyScaling', 'FREQUENCY_SCALING', 'axial_frequencies', 'mixed_axis_angles', 'scale_frequencies']
+__all__ = ['FrequencyScaling', 'FREQUENCY_SCALING', 'RIFLEX_MARGIN', 'axial_frequencies', 'mixed_axis_angles',
+           'riflex_frequencies', 'scale_frequencies']
 
-FrequencyScaling = Literal['none', 'linear', 'ntk', 'yarn']
+FrequencyScaling = Literal['none', 'linear', 'ntk', 'yarn', 'riflex']
 Betas = Tuple[float, float]
 ScalingFunction = Callable[[torch.Tensor, float, float, Betas], Tuple[torch.Tensor, float]]
 
@@ -76,7 +77,32 @@ def _yarn(freqs: torch.Tensor, factor: float, train_length: float, betas: Betas)
     return freqs / factor * (1 - ramp) + freqs * ramp, 0.1 * math.log(factor) + 1.0
 
 
-FREQUENCY_SCALING: Dict[str, ScalingFunction] = {'none': _none, 'linear': _linear, 'ntk': _ntk, 'yarn': _yarn}
+RIFLEX_MARGIN = 0.9
+"""RIFLEx's released margin: the lowered frequency turns 0.9 of a period over the test length."""
+
+
+def riflex_frequencies(freqs: torch.Tensor, test_length: float, repetition: float) -> torch.Tensor:
+    """RIFLEx (Zhao et al., ICML 2025, "RIFLEx: A Free Lunch for Length Extrapolation in Video Diffusion
+    Transformers", arXiv:2502.15894): only the intrinsic frequency changes, the one whose period
+    ``2 pi / f`` rounded to whole positions is nearest ``repetition`` (the length after which the
+    trained model's videos repeat; the first on a tie, along the last dim). When ``test_length`` exceeds
+    that period the frequency becomes ``0.9 * 2 pi / test_length``, so that it turns less than once over
+    the whole sequence; otherwise nothing changes."""
+    periods = torch.round(2 * math.pi / freqs.abs())
+    nearest = (periods - repetition).abs().argmin(-1, keepdim=True)
+    intrinsic = torch.arange(freqs.shape[-1], device=freqs.device) == nearest
+    lowered = torch.full_like(freqs, RIFLEX_MARGIN * 2 * math.pi / test_length).copysign(freqs)
+    return torch.where(intrinsic & (periods < test_length), lowered, freqs)
+
+
+def _riflex(freqs: torch.Tensor, factor: float, train_length: float, betas: Betas) -> Tuple[torch.Tensor, float]:
+    """RIFLEx (`riflex_frequencies`) for a sequence ``factor`` times the training length, the intrinsic
+    frequency taken as the one whose period is nearest the training length."""
+    return riflex_frequencies(freqs, factor * train_length, train_length), 1.0
+
+
+FREQUENCY_SCALING: Dict[str, ScalingFunction] = {
+    'none': _none, 'linear': _linear, 'ntk': _ntk, 'yarn': _yarn, 'riflex': _riflex}
 """Frequency scaling by name: ``(freqs, factor, train_length, (beta_fast, beta_slow)) -> (freqs, magnitude)``."""
 
 
