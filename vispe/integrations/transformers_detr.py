@@ -366,7 +366,8 @@ class DetrPatch:
         empty = [b for b in range(pixel_mask.shape[0]) if not bool(pixel_mask[b].any())]
         if empty:
             raise ValueError(f'images {empty} of the batch are all padding (pixel_mask is 0 everywhere); every image '
-                             f'needs real pixels')
+                             f"needs real pixels. pixel_mask is 1 on real pixels and 0 on padding (transformers' "
+                             f'convention, the opposite of a key_padding_mask)')
 
     def _keep_level_masks(self, module: nn.Module, args: Any, out: Any) -> None:
         """Forward hook of RT-DETR's backbone: the feature-map masks it computes and drops."""
