@@ -118,6 +118,26 @@ def test_detr_learned_starts_from_the_models_learned_tables():
         assert max_diff(run(model), ref) <= 1e-6
 
 
+
+def test_sincos_axis_order_grid_is_transformers_rt_detr_table():
+    import vispe
+    from transformers.models.rt_detr.modeling_rt_detr import build_2d_sinusoidal_position_embedding
+    theirs = build_2d_sinusoidal_position_embedding(5, 7, embed_dim=32, temperature=10000.0)
+    ours = vispe.create_pe('sincos:axis_order=grid', dim=32).embedding(vispe.grid(5, 7))
+    assert (ours.reshape(theirs.shape) - theirs).abs().max().item() <= 1e-6
+
+
+def test_detr_sine_offset_is_deformable_detrs_half_pixel_shift():
+    import vispe
+    from transformers.models.deformable_detr.modeling_deformable_detr import DeformableDetrSinePositionEmbedding
+    real = torch.zeros(2, 4, 6, dtype=torch.bool)
+    real[0] = True
+    real[1, :3, :4] = True  # padded at the bottom and right
+    theirs = DeformableDetrSinePositionEmbedding(16, normalize=True)((2, 32, 4, 6), 'cpu', torch.float32, real)
+    pos = vispe.grid(4, 6).replace(key_padding_mask=~real.flatten(1))
+    ours = vispe.create_pe('detr_sine:offset=-0.5', dim=32).embedding(pos)  # (B, N, C), padded tokens included
+    assert (ours.transpose(1, 2).reshape(theirs.shape) - theirs)[real[:, None].expand_as(theirs)].abs().max() <= 1e-6
+
 # ---------------------------------------------------------------------------------------------- padding
 def _feature_backbone(model, levels: int = 1):
     """The model's backbone replaced (on this instance, by the test) by one that returns ``pixel_values`` as
