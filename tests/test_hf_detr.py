@@ -111,6 +111,16 @@ def test_rt_detr_own_sincos_is_axis_order_grid(kind):
     assert (aifi[2] - aifi[0]).abs().max().item() > 1e-4
 
 
+def test_bare_detr_model_is_patched_too():
+    detector = build('detr')
+    model = detector.model  # DetrModel: the same modules, no heads
+    with torch.no_grad():
+        ref = model(pixel_values=IMAGES, pixel_mask=PIXEL_MASK).last_hidden_state
+        with patch_detr(model, 'detr_sine'):
+            assert (model(pixel_values=IMAGES, pixel_mask=PIXEL_MASK).last_hidden_state - ref).abs().max() <= 1e-6
+        with patch_detr(model, 'rope_mixed'):
+            assert (model(pixel_values=IMAGES, pixel_mask=PIXEL_MASK).last_hidden_state - ref).abs().max() > 1e-4
+
 def test_detr_learned_starts_from_the_models_learned_tables():
     model = build('detr', position_embedding_type='learned')
     ref = run(model)
@@ -248,7 +258,8 @@ def test_attention_side_encodings_train(spec):
     model = build('detr').train()
     handle = patch_detr(model, spec)
     labels = [{'class_labels': torch.tensor([1]), 'boxes': torch.tensor([[0.5, 0.5, 0.2, 0.3]])},
-              {'class_labels': torch.tensor([0, 2]), 'boxes': torch.tensor([[0.3, 0.3, 0.1, 0.1], [0.6, 0.4, 0.2, 0.2]])}]
+              {'class_labels': torch.tensor([0, 2]),
+               'boxes': torch.tensor([[0.3, 0.3, 0.1, 0.1], [0.6, 0.4, 0.2, 0.2]])}]
     loss = model(pixel_values=IMAGES, pixel_mask=PIXEL_MASK, labels=labels).loss
     assert torch.isfinite(loss)
     loss.backward()

@@ -45,7 +45,9 @@ What each family takes:
   encodings apply (per level; transformers adds its level embedding); ``cross_pe`` ``'auto'``.
 * **RT-DETR / RT-DETRv2**: any encoding in the AIFI self-attention (the decoder's cross-attention is
   deformable and sees no image positions); ``cross_pe`` ``'auto'``. transformers' RT-DETR ignores
-  ``pixel_mask``; the patched AIFI masks padded keys when one is given.
+  ``pixel_mask``; the patched AIFI masks padded keys when one is given. With ``config.eval_size`` set,
+  transformers' AIFI drops its position embedding in eval mode (RT-DETR's own code uses a table built
+  at that size instead); the patched AIFI always applies the encoding.
 
 The model's own encodings as vispe specs (the patched model then gives the unpatched one's outputs):
 DETR and Conditional DETR ``'detr_sine'``; Deformable DETR ``'detr_sine:offset=-0.5'``; RT-DETR
@@ -222,12 +224,14 @@ def _heads(module: nn.Module, proj: nn.Module, x: Tensor) -> Tensor:
     return proj(x).unflatten(-1, (-1, module.head_dim)).transpose(1, 2)
 
 
-def _self_attention(module: nn.Module, layer: int, plan: Callable[[], _Plan]) -> Callable[..., Any]:
-    """A bound-forward replacement for a DETR / RT-DETR self-attention over image tokens."""
+def _self_attention(module: nn.Module, layer: int, plan: Callable[[], _Plan], additive: bool) -> Callable[..., Any]:
+    """A bound-forward replacement for a DETR / RT-DETR self-attention over image tokens; ``additive``: the
+    encoding has an additive part (else ``position_embeddings`` are the table's zeros, not added)."""
     def forward(hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
                 position_embeddings: Optional[Tensor] = None, **kwargs: Any) -> Tuple[Tensor, None]:
         p = plan()
-        qk_in = hidden_states if position_embeddings is None else hidden_states + position_embeddings
+        add = additive and position_embeddings is not None
+        qk_in = hidden_states + position_embeddings if add else hidden_states
         x, qk_in = p.order(hidden_states), p.order(qk_in)
         q, k, v = (_heads(module, module.q_proj, qk_in), _heads(module, module.k_proj, qk_in),
                    _heads(module, module.v_proj, x))
@@ -434,8 +438,8 @@ class DetrPatch:
             self._set(inner, 'position_embedding', DetrPositionTable(self), type(inner).__name__)
         if fam.encoder == 'attention':
             for i, layer in enumerate(inner.encoder.layers):
-                self._set(layer.self_attn, 'forward', _self_attention(layer.self_attn, i, self._encoder_plan),
-                          f'encoder.layers.{i}.self_attn')
+                attn = _self_attention(layer.self_attn, i, self._encoder_plan, caps.additive)
+                self._set(layer.self_attn, 'forward', attn, f'encoder.layers.{i}.self_attn')
                 if caps.between_blocks:
                     self._hook(layer.register_forward_hook(self._between_blocks_hook(i)), f'encoder.layers.{i}')
         if fam.label == 'DETR':
@@ -451,8 +455,8 @@ class DetrPatch:
             for j, (aifi, level) in enumerate(zip(inner.encoder.aifi, inner.encoder.encode_proj_layers)):
                 self._set(aifi, 'forward', self._aifi_forward(aifi, level, offset), f'encoder.aifi.{j}')
                 for i, layer in enumerate(aifi.layers):
-                    self._set(layer.self_attn, 'forward', _self_attention(layer.self_attn, offset + i, self._aifi_plan),
-                              f'encoder.aifi.{j}.layers.{i}.self_attn')
+                    attn = _self_attention(layer.self_attn, offset + i, self._aifi_plan, caps.additive)
+                    self._set(layer.self_attn, 'forward', attn, f'encoder.aifi.{j}.layers.{i}.self_attn')
                 offset += len(aifi.layers)
         self._active = True
 
