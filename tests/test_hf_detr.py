@@ -178,11 +178,13 @@ def _alone_and_padded(channels: int, h=3, w=4, H=4, W=6):
     return alone, batch, mask
 
 
-@pytest.mark.parametrize('spec', ['detr_sine', 'learned', 'peg', 'liere', 'rope_mixed', 'irpe'])
-def test_detr_image_padded_in_a_batch_gives_its_output_alone(spec):
+@pytest.mark.parametrize('kind, spec', [('detr', spec) for spec in ('detr_sine', 'learned', 'peg', 'liere', 'rope_mixed',
+                                                                    'irpe')]
+                         + [('conditional', 'detr_sine+rope_mixed'), ('conditional', 'detr_sine+peg')])
+def test_image_padded_in_a_batch_gives_its_output_alone(kind, spec):
     # what is compared: logits and boxes of the whole transformer (input projection, encoder, decoder,
     # heads) on identical backbone features
-    model = _feature_backbone(build('detr'))
+    model = _feature_backbone(build(kind))
     alone, batch, mask = _alone_and_padded(16)
     with patch_detr(model, spec):
         ref = run(model, alone, torch.ones(1, 3, 4, dtype=torch.long))
