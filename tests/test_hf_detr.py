@@ -179,7 +179,7 @@ def _alone_and_padded(channels: int, h=3, w=4, H=4, W=6):
 
 
 @pytest.mark.parametrize('kind, spec', [('detr', spec) for spec in ('detr_sine', 'learned', 'peg', 'liere', 'rope_mixed',
-                                                                    'irpe')]
+                                                                    'irpe', 'comrope_ld')]
                          + [('conditional', 'detr_sine+rope_mixed'), ('conditional', 'detr_sine+peg')])
 def test_image_padded_in_a_batch_gives_its_output_alone(kind, spec):
     # what is compared: logits and boxes of the whole transformer (input projection, encoder, decoder,
@@ -232,6 +232,7 @@ def test_remove_restores_the_instance_bit_for_bit(kind, spec):
     ref = run(model)
     handle = patch_detr(model, spec)
     assert any(k.startswith('model.vispe_pe.') for k in model.state_dict())
+    assert not handle.encoding.training  # it follows the model's mode (ComRoPE jitters in training)
     run(model)
     handle.remove()
     assert {n: type(m) for n, m in model.named_modules()} == types_before

@@ -596,6 +596,7 @@ def patch_detr(model: nn.Module, pe: PESpec = 'rope_mixed', *, cross_pe: str = '
     depth = enc_depth + len(inner.decoder.layers) if cross_hooks else enc_depth
     device = next(iter(model.parameters())).device
     encoding = create_pe(pe, ctx, depth=depth, device=device, **options)
+    encoding.train(model.training)  # registered into a model that may already be in eval mode
     if family.encoder != 'aifi' and getattr(model.config, 'position_embedding_type', None) == 'learned':
         _start_from_learned_table(inner, encoding)
     handle = DetrPatch(model, inner, family, encoding, cross_pe, cross_hooks, grid_size, dim)
