@@ -88,7 +88,9 @@ def test_own_encoding_gives_the_unpatched_logits_and_boxes_on_a_padded_batch(kin
     ref = run(model)
     with patch_detr(model, spec):
         assert max_diff(run(model), ref) <= 1e-6
-        # and the patch is live: another encoding changes the answer
+    with patch_detr(model, None) as handle:  # None: the model's own
+        assert handle.encoding.name == spec.split(':')[0] and max_diff(run(model), ref) <= 1e-6
+    # and the patch is live: another encoding changes the answer
     other = {'detr': 'rope_mixed', 'conditional': 'detr_sine+rope_mixed', 'deformable': 'learned'}[kind]
     with patch_detr(model, other):
         assert max_diff(run(model), ref) > 1e-4
@@ -126,6 +128,8 @@ def test_detr_learned_starts_from_the_models_learned_tables():
     ref = run(model)
     with patch_detr(model, 'detr_learned'):
         assert max_diff(run(model), ref) <= 1e-6
+    with patch_detr(model, None) as handle:
+        assert handle.encoding.name == 'detr_learned'
 
 
 

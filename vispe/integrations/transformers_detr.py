@@ -68,6 +68,7 @@ from ..contract import PEContext, PositionalEncoding, PreparedPE
 from ..positions import Positions, grid, pack_padded_grid, points
 from ..positions.padding import PaddedGrid
 from ..registry import PESpec, create_pe
+from .transformers_vlm import _version_tuple
 
 __all__ = ['patch_detr', 'DetrPatch', 'DetrPositionTable', 'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS',
            'CROSS_PE']
@@ -100,16 +101,6 @@ _FAMILIES = {
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 _CLASS_SUFFIXES = ('ForObjectDetection', 'Model')
-
-
-def _version_tuple(v: str) -> Tuple[int, ...]:
-    out = []
-    for part in v.split('.')[:3]:
-        digits = ''.join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
 
 
 def _installed_transformers() -> str:
@@ -539,15 +530,16 @@ def _start_from_learned_table(inner: nn.Module, encoding: PositionalEncoding) ->
             encoding.col_embed.weight.copy_(col.weight)
 
 
-def patch_detr(model: nn.Module, pe: PESpec = 'rope_mixed', *, cross_pe: str = 'auto',
+def patch_detr(model: nn.Module, pe: Optional[PESpec] = 'rope_mixed', *, cross_pe: str = 'auto',
                grid_size: Optional[Tuple[int, int]] = None, **options: Any) -> DetrPatch:
     """Make one transformers DETR-family model instance use a vispe encoding; returns the `DetrPatch`.
 
     Args:
         model: a transformers ``Detr*``, ``ConditionalDetr*``, ``DeformableDetr*``, ``RTDetr*`` or
             ``RTDetrV2*`` model (``ForObjectDetection`` or ``Model``).
-        pe: any vispe encoding spec (``'rope_mixed'``, ``'irpe'``, ``'detr_sine+rope_mixed'``, ...). The
-            model's own: ``'detr_sine'`` (DETR, Conditional DETR), ``'detr_sine:offset=-0.5'``
+        pe: any vispe encoding spec (``'rope_mixed'``, ``'irpe'``, ``'detr_sine+rope_mixed'``, ...); None:
+            the model's own, computed by vispe: ``'detr_sine'`` (DETR, Conditional DETR; ``'detr_learned'``
+            from the model's tables for ``position_embedding_type='learned'``), ``'detr_sine:offset=-0.5'``
             (Deformable DETR), ``'sincos:axis_order=grid'`` (RT-DETR).
         cross_pe: DETR's decoder cross-attention: ``'auto'``, ``'keys'``, ``'additive'`` or ``'none'``
             (module docstring); the other families take what their decoder allows.
@@ -565,6 +557,9 @@ def patch_detr(model: nn.Module, pe: PESpec = 'rope_mixed', *, cross_pe: str = '
     if model.__dict__.get('_vispe_detr_patch') is not None:
         raise RuntimeError('this model is already patched: call .remove() on its DetrPatch first')
     family = _FAMILIES[model_type]
+    learned = family.encoder != 'aifi' and getattr(model.config, 'position_embedding_type', None) == 'learned'
+    if pe is None:
+        pe = 'detr_learned' if learned else family.own
     if cross_pe not in CROSS_PE:
         raise ValueError(f'cross_pe must be one of {CROSS_PE}, got {cross_pe!r}')
     if cross_pe not in family.cross_pe:
@@ -597,7 +592,7 @@ def patch_detr(model: nn.Module, pe: PESpec = 'rope_mixed', *, cross_pe: str = '
     device = next(iter(model.parameters())).device
     encoding = create_pe(pe, ctx, depth=depth, device=device, **options)
     encoding.train(model.training)  # registered into a model that may already be in eval mode
-    if family.encoder != 'aifi' and getattr(model.config, 'position_embedding_type', None) == 'learned':
+    if learned:
         _start_from_learned_table(inner, encoding)
     handle = DetrPatch(model, inner, family, encoding, cross_pe, cross_hooks, grid_size, dim)
     handle._install()
