@@ -18,8 +18,9 @@ untouched, so two models of one process can carry different encodings) it replac
   (the feature-map padding masks, which RT-DETR itself does not keep).
 
 The encoding itself is registered as ``<model>.vispe_pe`` (its parameters train and save with the
-model). `DetrPatch.remove` undoes everything: module types, attributes and ``state_dict`` are then
-those of the unpatched model.
+model's ``state_dict``). `DetrPatch.remove` undoes everything: module types, attributes and
+``state_dict`` are then those of the unpatched model. The replaced forwards are closures over this
+instance's modules: to copy or pickle a patched model, remove the patch, copy, and patch each copy.
 
 Padding. transformers' ``pixel_mask`` is 1 on real pixels and 0 on padding (vispe's
 ``key_padding_mask`` is the opposite). Its downsampling to the feature map (transformers' own,
@@ -170,7 +171,7 @@ class _Canvas:
 
     def mask(self, packed: bool) -> Optional[Tensor]:
         """Bool ``(B, 1, 1, N)`` (True = attend) of the real keys in packed or canvas order, None without padding."""
-        if self.packed is None:
+        if self.packed is None:  # pack_padded_grid gives None exactly when no token is padding
             return None
         pad = self.positions.key_padding_mask if packed else self.pos.key_padding_mask
         return ~pad[:, None, None, :]
