@@ -360,7 +360,7 @@ class DetrPatch:
                                  f'{tuple(pixel_values.shape)}, got {tuple(pixel_mask.shape)}')
         if pixel_mask.dtype != torch.bool and not bool(((pixel_mask == 0) | (pixel_mask == 1)).all()):
             raise ValueError('pixel_mask must hold only 0 (padding) and 1 (real pixels)')
-        empty = [b for b in range(pixel_mask.shape[0]) if not bool(pixel_mask[b].any())]
+        empty = (~pixel_mask.flatten(1).bool().any(1)).nonzero().flatten().tolist()
         if empty:
             raise ValueError(f'images {empty} of the batch are all padding (pixel_mask is 0 everywhere); every image '
                              f"needs real pixels. pixel_mask is 1 on real pixels and 0 on padding (transformers' "
