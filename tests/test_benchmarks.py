@@ -115,6 +115,18 @@ def test_pe_overhead_prints_ratios_against_no_encoding(capsys, compiled):
     assert all(float(v) > 0 for v in rows['rope_axial'][:2])
 
 
+
+def test_detr_padding_reports_per_sample_and_patched_ratios(capsys):
+    pytest.importorskip('transformers')
+    from benchmarks.detr_padding import main
+    results = main(['--smoke', '--pes', 'detr_sine', 'rope_mixed', '--hf-pes', 'detr_sine'])
+    out = capsys.readouterr().out
+    assert set(results['encoder per-sample / shared']) == {'detr_sine', 'rope_mixed'}
+    assert set(results['transformers patched / unpatched']) == {'unpatched', 'patched detr_sine'}
+    assert results['transformers patched / unpatched']['unpatched'] == 1.0
+    assert all(r > 0 for row in results.values() for r in row.values())
+    assert '| `rope_mixed` |' in out and '| patched detr_sine |' in out
+
 def _script(*args, env=None):
     """Run a benchmark script in a child process (Triton's interpreter is chosen when triton is
     imported, so it cannot be switched on in this one); its stdout."""

@@ -50,8 +50,12 @@ SCRIPT = textwrap.dedent('''
         from vispe.integrations.open_clip import use_pe
         use_pe(None, 'rope_mixed')
 
+    def hf_detr():
+        from vispe.integrations import patch_detr
+        patch_detr(None, 'detr_sine')
+
     for name, call in [('detection_data', detection_data), ('matching', matching), ('plot', plot),
-                       ('digits', digits), ('open_clip', open_clip)]:
+                       ('digits', digits), ('open_clip', open_clip), ('hf_detr', hf_detr)]:
         print(name, '|', message(call))
 ''')
 
@@ -72,4 +76,6 @@ def test_core_imports_and_each_optional_import_names_its_extra():
                   '(or pip install scikit-learn)',
         'open_clip': 'vispe.integrations.open_clip needs open_clip_torch, which is not installed: '
                      'pip install "vispe[open_clip]" (or pip install open_clip_torch)',
+        'hf_detr': 'patch_detr needs transformers, which is not installed: pip install "vispe[vlm]" '
+                   '(or pip install "transformers>=5.25,<6")',
     }

@@ -187,12 +187,15 @@ class SinCosPE(AdditivePE):
     order (x = column first, then y = row, then t); each group of ``G`` channels is
     ``[sin(p * w_k), cos(p * w_k)]`` with ``G/2`` frequencies ``w_k = 1 / 10000^(k / (G/2))``.
     ``layout='big_vision'`` uses ``w_k = 1 / 10000^(k / (G/2 - 1))`` (big_vision's
-    ``posemb_sincos_2d``). Prefix tokens get zeros.
+    ``posemb_sincos_2d``). ``axis_order='grid'`` puts the groups in grid order instead (y = row first,
+    then x): with ``layout='mae'`` that is the ``[sin_h | cos_h | sin_w | cos_w]`` table of RT-DETR's
+    hybrid encoder (Zhao et al., CVPR 2024) as transformers builds it. Prefix tokens get zeros.
 
     Args:
         layout: frequency convention, ``'mae'`` or ``'big_vision'``.
         temperature: the base (10000).
         grid_mode: ``index`` (extrapolate) or ``normalized`` (rescaled to the training grid).
+        axis_order: ``reversed`` (x first, MAE) or ``grid`` (y first, RT-DETR).
     """
     larger_input = 'extrapolate'
     paper = 'He et al., CVPR 2022 (MAE); Vaswani et al. 2017'
@@ -204,11 +207,13 @@ class SinCosPE(AdditivePE):
             layout: Literal['mae', 'big_vision'] = 'mae',
             temperature: float = 10000.0,
             grid_mode: GridMode = 'index',
+            axis_order: Literal['reversed', 'grid'] = 'reversed',
     ) -> None:
         super().__init__(ctx)
         self.layout = layout
         self.temperature = check_positive(self.name, 'temperature', temperature)
         self.grid_mode = grid_mode
+        self.axis_order = axis_order
 
     def table(self, coords: torch.Tensor) -> torch.Tensor:
         """The ``(..., N, C)`` sin-cos features of ``(..., N, D)`` coordinates."""
@@ -220,7 +225,7 @@ class SinCosPE(AdditivePE):
         denom = half - 1 if self.layout == 'big_vision' else half
         omega = axial_frequencies(half, self.temperature, step=1.0, dim=max(denom, 1), device=coords.device)
         parts = []
-        for a in reversed(range(axes)):
+        for a in (reversed(range(axes)) if self.axis_order == 'reversed' else range(axes)):
             angle = coords[..., a:a + 1].float() * omega
             parts += [angle.sin(), angle.cos()]
         return torch.cat(parts, dim=-1)

@@ -59,13 +59,16 @@ class DetrSine(AdditivePE):
     and normalised over that grid (its padding tokens follow it in the sequence).
 
     ``normalize=True`` is what DETR builds (``PositionEmbeddingSine(N_steps, normalize=True)``),
-    although the class default there is False.
+    although the class default there is False. Deformable DETR (Zhu et al., ICLR 2021) shifts the counts
+    by half a pixel before normalising, ``(y - 0.5) / (extent + eps) * scale``: ``offset=-0.5``.
 
     Args:
         temperature: the base of the frequencies (10000).
         normalize: divide the cumulative positions by the image extent and multiply by ``scale``.
         scale: the range of normalised positions (``2 pi``).
         eps: added to the extent before dividing (1e-6; > 0, as a padded row's extent is 0).
+        offset: added to the counts before normalising (0 as DETR; -0.5 as Deformable DETR); ignored
+            without ``normalize``.
     """
     larger_input = 'interpolate'
     paper = 'Carion et al., ECCV 2020 (DETR), arXiv:2005.12872; PositionEmbeddingSine'
@@ -78,6 +81,7 @@ class DetrSine(AdditivePE):
             normalize: bool = True,
             scale: float = 2 * math.pi,
             eps: float = 1e-6,
+            offset: float = 0.0,
     ) -> None:
         super().__init__(ctx)
         if ctx.dim % 4:
@@ -88,6 +92,7 @@ class DetrSine(AdditivePE):
         self.normalize = normalize
         self.scale = check_positive(self.name, 'scale', scale)
         self.eps = check_positive(self.name, 'eps', eps)
+        self.offset = float(offset)
 
     def features(self, p: torch.Tensor) -> torch.Tensor:
         """DETR's features of one axis: ``(...)`` positions -> ``(..., dim / 2)`` interleaved sin / cos."""
@@ -97,7 +102,10 @@ class DetrSine(AdditivePE):
         return torch.stack((scaled[..., 0::2].sin(), scaled[..., 1::2].cos()), dim=-1).flatten(-2)
 
     def _normalized(self, counts: torch.Tensor, extent: torch.Tensor) -> torch.Tensor:
-        return counts / (extent + self.eps) * self.scale if self.normalize else counts
+        if not self.normalize:
+            return counts
+        shifted = counts + self.offset if self.offset else counts  # 0: DETR's operations exactly
+        return shifted / (extent + self.eps) * self.scale
 
     def _table_key(self, pos: Positions) -> Optional[Hashable]:
         # without padding (or in a NaFlex batch) the table depends on the grids alone; padded images
