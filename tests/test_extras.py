@@ -76,6 +76,6 @@ def test_core_imports_and_each_optional_import_names_its_extra():
                   '(or pip install scikit-learn)',
         'open_clip': 'vispe.integrations.open_clip needs open_clip_torch, which is not installed: '
                      'pip install "vispe[open_clip]" (or pip install open_clip_torch)',
-        'hf_detr': 'patch_detr needs transformers, which is not installed: pip install "vispe[vlm]" '
+        'hf_detr': 'patch_detr needs transformers, which is not installed: pip install "vispe[detection]" '
                    '(or pip install "transformers>=5.25,<6")',
     }

@@ -108,7 +108,7 @@ def _installed_transformers() -> str:
     try:
         return importlib.import_module('transformers').__version__
     except ImportError as e:
-        raise ImportError('patch_detr needs transformers, which is not installed: pip install "vispe[vlm]" '
+        raise ImportError('patch_detr needs transformers, which is not installed: pip install "vispe[detection]" '
                           '(or pip install "transformers>=5.25,<6")') from e
 
 
