@@ -11,11 +11,14 @@ block-diagonal generators ``A_d`` (``b x b`` blocks; LieRE, ComRoPE, Circulant-S
 * `skew`, `skew_from_upper`, `axis_sum`: the parametrisations and the sum over axes.
 
 Traced (torch.compile, torch.export) or on meta tensors the number of squarings cannot be read from
-the data; the same algorithm then runs with the count as a tensor, computed from the same bound by
-the same rule (`_squaring_count`), and a static maximum of squarings, each kept only where it is
-due (`_square_repeatedly`), so that the result is eager's. Beyond that maximum the graph fails
-loudly (`_traced_squarings`). In training each layer's blocks are recomputed in backward by
-activation checkpointing there, as `_LinearExpBlocks` recomputes them eagerly.
+the data. `linear_exp` / `layerwise_exp` then run as one operator, ``vispe::linear_exp_blocks``, with
+the count as a tensor: the tracer sees only its output's shape, and its kernel, run on real tensors,
+reads the count and runs the eager code (values and gradients bit for bit eager's, exactly eager's
+squarings, no upper limit; backward recomputes as `_LinearExpBlocks` does). `expm_skew`, which
+exponentiates only a few distinct values per axis (ComRoPE on a grid), stays traced: the count as a
+tensor, computed by the same rule (`_squaring_count`), and a static maximum of squarings, each kept
+only where it is due (`_square_repeatedly`), so that the result is eager's; beyond that maximum the
+graph fails loudly (`_traced_squarings`).
 
 Rotation tensors are laid out ``(L', [B,] H', N, ...)``: ``L'`` is 1 (shared) or the depth, ``H'``
 is 1 (shared) or the heads, ``B`` only for per-sample positions.
@@ -27,10 +30,9 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from .._tracing import is_tracing
-from ..contract import TensorCache
+from ..contract import TensorCache, autocast_off
 from .kernels import pad_identity
 
 __all__ = ['Rotations', 'axis_sum', 'expm_skew', 'layerwise_exp', 'linear_exp', 'skew', 'skew_from_upper']
@@ -43,12 +45,11 @@ Squarings = Union[int, torch.Tensor]  # read from the data (eager) or a tensor o
 _TAYLOR_DEGREE = 12
 _MAX_POLY_AXES = 3
 
-# The largest bound of ||X||_2 a traced graph exponentiates (`_traced_squarings`), which fixes its
-# static number of squarings: 11 in float32, 13 in float64 (14 for the degree-10 polynomials of three
-# axes). The learned rotations' bounds (ViT-S, initial generators) are about 45 for LieRE gd 8 at the
-# training grid and 180 at four times it (its positions reach 4), at most 40 for ComRoPE blocks of
-# 4 and 8 (positions in [0, 1]); 2^11 leaves a factor of 10 beyond that for trained norms and larger
-# inputs. Each squaring of the maximum is computed and kept only where it is due: one more costs
+# The largest bound of ||X||_2 a traced `expm_skew` exponentiates (`_traced_squarings`), which fixes
+# its static number of squarings: 11 in float32, 13 in float64. The learned rotations' bounds (ViT-S,
+# initial generators) are about 45 for LieRE gd 8 at the training grid and 180 at four times it (its
+# positions reach 4), at most 40 for ComRoPE blocks of 4 and 8 (positions in [0, 1]); 2^11 leaves a
+# factor of 10 beyond that for trained norms and larger inputs. Each squaring of the maximum is computed and kept only where it is due: one more costs
 # one more product per matrix, so the maximum is not set higher than that margin needs.
 _TRACED_MAX_BOUND = 2.0 ** 11
 
@@ -76,7 +77,7 @@ def _squaring_count(bound: torch.Tensor, degree: int, dtype: torch.dtype) -> tor
 
 def _num_squarings(bound: torch.Tensor, degree: int, dtype: torch.dtype) -> int:
     """`_squaring_count` of a 0-dim bound, read (one host sync; the whole batch shares ``s``)."""
-    return int(_squaring_count(bound, degree, dtype).item())
+    return next(iter(_groups_of(_squaring_count(bound, degree, dtype))))
 
 
 def _squaring_limit(degree: int, dtype: torch.dtype) -> int:
@@ -234,14 +235,18 @@ def _plan_tensors(num_axes: int, degree: int, device: torch.device, dtype: torch
                      lambda: _build_plan_tensors(num_axes, degree, device, dtype))
 
 
-def _word_sums(gen: torch.Tensor, degree: int, cache: Optional[TensorCache]) -> List[torch.Tensor]:
+def _incidence(gen: torch.Tensor, degree: int, cache: Optional[TensorCache]) -> Tuple[torch.Tensor, ...]:
+    """The incidence matrices of `_monomial_plan` for ``gen``'s axes, device and dtype (`_word_sums`)."""
+    return _plan_tensors(gen.shape[0], degree, gen.device, gen.dtype, cache)[1]
+
+
+def _word_sums(gen: torch.Tensor, incidence: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """``S_alpha`` for ``|alpha| <= degree``: the sum of all products of generators with ``alpha_d``
     factors ``A_d``, so that ``(sum_d p_d A_d)^k = sum_{|alpha| = k} p^alpha S_alpha``. Built degree by
     degree from ``S_alpha = sum_d A_d S_{alpha - e_d}``: per degree one batched product and one small
-    GEMM with the 0/1 incidence matrix. gen ``(D, ...lead, b, b)`` -> per degree ``k`` a tensor
-    ``(n_k, ...lead, b, b)``, the monomials in `_monomial_plan`'s order."""
-    num_axes, b = gen.shape[0], gen.shape[-1]
-    _, incidence = _plan_tensors(num_axes, degree, gen.device, gen.dtype, cache)
+    GEMM with the 0/1 incidence matrix (`_incidence`, one per degree). gen ``(D, ...lead, b, b)`` -> per
+    degree ``k`` a tensor ``(n_k, ...lead, b, b)``, the monomials in `_monomial_plan`'s order."""
+    b = gen.shape[-1]
     lead = gen.shape[1:-2]
     level = torch.eye(b, dtype=gen.dtype, device=gen.device).expand(1, *lead, b, b)
     levels = [level]
@@ -284,14 +289,14 @@ def _monomials(coords: torch.Tensor, squarings: Squarings, degree: int, cache: O
     return (coords.unsqueeze(-2) ** exponents).prod(-1) * scale
 
 
-def _taylor_soa(gen: torch.Tensor, coef: torch.Tensor, degree: int, cache: Optional[TensorCache]) -> torch.Tensor:
-    """``T(sum_d p_d A_d / 2^s)`` at every position, ``T`` the degree-``degree`` Taylor polynomial
-    written as a polynomial in the coordinates, ``sum_alpha coef_alpha S_alpha`` (`_monomials`): one
-    GEMM over the monomials (no matrix product per position). Laid out for `_soa_matmul`,
-    ``(L' [B] H', b, b, nb N)``."""
+def _taylor_soa(gen: torch.Tensor, coef: torch.Tensor, incidence: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``T(sum_d p_d A_d / 2^s)`` at every position, ``T`` the Taylor polynomial (its degree: one
+    incidence matrix per degree) written as a polynomial in the coordinates, ``sum_alpha coef_alpha
+    S_alpha`` (`_monomials`): one GEMM over the monomials (no matrix product per position). Laid out
+    for `_soa_matmul`, ``(L' [B] H', b, b, nb N)``."""
     layers, heads, nb, b = gen.shape[1:5]
     # (L', H', b, b, nb, K) in one copy: the GEMM's rows (H', b, b, nb) give the squarings' layout
-    sums = torch.cat([level.permute(1, 2, 4, 5, 3, 0) for level in _word_sums(gen, degree, cache)], dim=-1)
+    sums = torch.cat([level.permute(1, 2, 4, 5, 3, 0) for level in _word_sums(gen, incidence)], dim=-1)
     flat = sums.reshape(layers, heads * b * b * nb, -1)
     if coef.dim() == 3:  # (L', 1, F, K) x (B, K, N) -> (L', B, F, N)
         y = torch.matmul(flat.unsqueeze(1), coef.transpose(-1, -2))
@@ -300,19 +305,24 @@ def _taylor_soa(gen: torch.Tensor, coef: torch.Tensor, degree: int, cache: Optio
     return y.reshape(-1, b, b, nb * coef.shape[-2])
 
 
+def _blocks_shape(gen: torch.Tensor, coef: torch.Tensor, num_prefix: int) -> Tuple[int, ...]:
+    """Shape of the position-major rotations of `_blocks_forward`: ``(L', [B,] N_prefix + N, H', nb, b, b)``."""
+    layers, heads, nb, b = gen.shape[1:5]
+    return (layers, *coef.shape[:-2], num_prefix + coef.shape[-2], heads, nb, b, b)
+
+
 def _position_major(y: torch.Tensor, gen: torch.Tensor, coef: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    """`_taylor_soa`-layout blocks as rotations ``(L', [B,] H', N_prefix + N, nb, b, b)`` with identity
-    rows for the prefix tokens, laid out position-major ``(L', [B,] N, H', nb, b, b)`` as q and k lie
-    in attention, so that `kernels.rotate_blocks` multiplies views of both without copying either."""
-    layers, heads, nb, b = gen.shape[1], gen.shape[2], gen.shape[3], gen.shape[-1]
-    lead = (layers,) + tuple(coef.shape[:-2])
-    n = coef.shape[-2]
-    out = y.new_empty(*lead, num_prefix + n, heads, nb, b, b)
+    """`_taylor_soa`-layout blocks as rotations with identity rows for the prefix tokens, contiguous
+    and position-major ``(L', [B,] N_prefix + N, H', nb, b, b)`` as q and k lie in attention, so that
+    `kernels.rotate_blocks` multiplies views of both without copying either."""
+    heads, nb, b = gen.shape[2], gen.shape[3], gen.shape[-1]
+    out = y.new_empty(_blocks_shape(gen, coef, num_prefix))
+    lead, n = out.shape[:-5], coef.shape[-2]
     out.narrow(-5, 0, num_prefix).copy_(torch.eye(b, dtype=y.dtype, device=y.device))
     at = len(lead)
     blocks = y.reshape(*lead, heads, b, b, nb, n).permute(*range(at), at + 4, at, at + 3, at + 1, at + 2)
     out.narrow(-5, num_prefix, n).copy_(blocks)
-    return out.transpose(-5, -4)
+    return out
 
 
 def _squarings_soa(y: torch.Tensor, squarings: int, keep: bool = False) -> Tuple[torch.Tensor, ...]:
@@ -329,37 +339,68 @@ def _squarings_soa(y: torch.Tensor, squarings: int, keep: bool = False) -> Tuple
     return tuple(factors)
 
 
+def _blocks_forward(gen: torch.Tensor, coef: torch.Tensor, squarings: int, incidence: Sequence[torch.Tensor],
+                    num_prefix: int) -> torch.Tensor:
+    """Rotations from the positions' Taylor coefficients (`_monomials` with ``squarings``): the
+    Taylor polynomial by one GEMM (`_taylor_soa`), ``s`` squarings, the position-major layout of
+    `_position_major`. Plain tensor code without autograd: `_LinearExpBlocks` and, traced, the
+    `vispe::linear_exp_blocks` operator run it."""
+    y = _squarings_soa(_taylor_soa(gen, coef, incidence), squarings)[-1]
+    return _position_major(y, gen, coef, num_prefix)
+
+
+def _blocks_backward(grad: torch.Tensor, gen: torch.Tensor, coef: torch.Tensor, squarings: int,
+                     incidence: Sequence[torch.Tensor], num_prefix: int, needs: Tuple[bool, bool]
+                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients of `_blocks_forward` for the generators and the coefficients (those ``needs`` asks
+    for), from ``grad`` of the position-major rotations: recomputes the Taylor part and the squarings'
+    factors (not the last squaring: its output, the rotation, is what the gradient arrives for), goes
+    back through each squaring, ``G <- G y^T + y^T G``, then through the Taylor part by `torch.func.vjp`
+    (which, unlike `torch.autograd.grad`, also runs inside an operator's kernel, below autograd)."""
+    if not any(needs):
+        return None, None
+    inputs = [gen, coef]
+    wanted = [i for i, need in enumerate(needs) if need]
+
+    def taylor_of(*values: torch.Tensor) -> torch.Tensor:
+        args = list(inputs)
+        for i, v in zip(wanted, values):
+            args[i] = v
+        return _taylor_soa(args[0], args[1], incidence)
+
+    taylor, pullback = torch.func.vjp(taylor_of, *(inputs[i] for i in wanted))
+    factors = _squarings_soa(taylor, squarings - 1, keep=True) if squarings else ()
+    # the rotations' gradient in the Taylor layout (C, b, b, nb N)
+    n = coef.shape[-2]
+    g = grad.narrow(-5, num_prefix, n)  # (L', [B,] N, H', nb, b, b)
+    at = g.dim() - 5
+    g = g.permute(*range(at), at + 1, at + 3, at + 4, at + 2, at).reshape(taylor.shape)
+    spare = [torch.empty_like(taylor), torch.empty_like(taylor)] if factors else []
+    for i, y in enumerate(reversed(factors)):
+        g = _soa_squaring_grad(g, y, out=spare[i % 2])
+    found = iter(pullback(g))
+    grads = [next(found) if need else None for need in needs]
+    return grads[0], grads[1]
+
+
 class _LinearExpBlocks(torch.autograd.Function):
-    """`linear_exp` for ``b > 2`` blocks from the positions' Taylor coefficients (`_monomials`): the
-    Taylor polynomial by one GEMM (`_taylor_soa`), ``s`` squarings, the position-major layout. Only
-    the generators and coefficients are kept for backward, which recomputes the Taylor part and the
-    squarings' factors (not the last squaring: its output, the rotation, is what the gradient
-    arrives for) and goes back through each squaring, ``G <- G y^T + y^T G``."""
+    """`_blocks_forward` eagerly, as rotations ``(L', [B,] H', N_prefix + N, nb, b, b)`` (a view of the
+    position-major tensor). Only the generators and coefficients are kept for backward
+    (`_blocks_backward` recomputes the rest)."""
 
     @staticmethod
     def forward(ctx, gen, coef, squarings, degree, num_prefix, cache):
-        y = _squarings_soa(_taylor_soa(gen, coef, degree, cache), squarings)[-1]
+        incidence = _incidence(gen, degree, cache)
         ctx.save_for_backward(gen, coef)
-        ctx.squarings, ctx.degree, ctx.num_prefix, ctx.cache = squarings, degree, num_prefix, cache
-        return _position_major(y, gen, coef, num_prefix)
+        ctx.squarings, ctx.incidence, ctx.num_prefix = squarings, incidence, num_prefix
+        return _blocks_forward(gen, coef, squarings, incidence, num_prefix).transpose(-5, -4)
 
     @staticmethod
     def backward(ctx, grad):
         gen, coef = ctx.saved_tensors
-        n = coef.shape[-2]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((gen, coef), ctx.needs_input_grad[:2])]
-            taylor = _taylor_soa(*leaves, ctx.degree, ctx.cache)
-        factors = _squarings_soa(taylor.detach(), ctx.squarings - 1, keep=True) if ctx.squarings else ()
-        # the rotations' gradient in the Taylor layout (C, b, b, nb N)
-        g = grad.transpose(-5, -4).narrow(-5, ctx.num_prefix, n)  # (L', [B,] N, H', nb, b, b)
-        at = g.dim() - 5
-        g = g.permute(*range(at), at + 1, at + 3, at + 4, at + 2, at).reshape(taylor.shape)
-        spare = [torch.empty_like(taylor), torch.empty_like(taylor)] if factors else []
-        for i, y in enumerate(reversed(factors)):
-            g = _soa_squaring_grad(g, y, out=spare[i % 2])
-        found = iter(torch.autograd.grad(taylor, [t for t in leaves if t.requires_grad], g))
-        return tuple(next(found) if t.requires_grad else None for t in leaves) + (None, None, None, None)
+        grads = _blocks_backward(grad.transpose(-5, -4), gen, coef, ctx.squarings, ctx.incidence, ctx.num_prefix,
+                                 tuple(ctx.needs_input_grad[:2]))
+        return grads + (None, None, None, None)
 
 
 def _poly_degree(num_axes: int) -> int:
@@ -393,17 +434,14 @@ def _squarings(gen: torch.Tensor, coords: torch.Tensor) -> int:
 def _sample_groups(gen: torch.Tensor, coords: torch.Tensor) -> Dict[int, List[int]]:
     """Samples of batched ``coords`` ``(B, N, D)`` grouped by the squarings each needs alone (one host
     sync): `_squarings` of every sample's own positions."""
-    counts = _squaring_count(_max_bound(gen, coords, per_sample=True), _poly_degree(gen.shape[0]), gen.dtype)
-    groups: Dict[int, List[int]] = {}
-    for b, s in enumerate(counts.flatten().tolist()):
-        groups.setdefault(int(s), []).append(b)
-    return groups
+    return _groups_of(_squaring_count(_max_bound(gen, coords, per_sample=True), _poly_degree(gen.shape[0]), gen.dtype))
 
 
 def _traced_count(gen: torch.Tensor, coords: torch.Tensor, per_sample: bool) -> torch.Tensor:
     """`_squarings` (``per_sample``: each sample's own, as `_sample_groups` finds them, ``(B, 1, 1)``)
-    as a tensor, for a traced graph (`_traced_squarings`)."""
-    return _traced_squarings(_max_bound(gen, coords, per_sample), _poly_degree(gen.shape[0]), gen.dtype)
+    as a tensor in ``gen``'s dtype (small integers, exact in it; no host sync), for a traced graph:
+    `_monomials` scales by it and `vispe::linear_exp_blocks` reads it when it runs."""
+    return _squaring_count(_max_bound(gen, coords, per_sample), _poly_degree(gen.shape[0]), gen.dtype).to(gen.dtype)
 
 
 def _regroup(parts: Sequence[torch.Tensor], groups: Sequence[List[int]]) -> torch.Tensor:
@@ -414,40 +452,106 @@ def _regroup(parts: Sequence[torch.Tensor], groups: Sequence[List[int]]) -> torc
     return joined.index_select(1, torch.argsort(order)).transpose(-5, -4)
 
 
-def _exp_blocks(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, degree: int, num_prefix: int,
-                cache: Optional[TensorCache]) -> torch.Tensor:
-    """`_LinearExpBlocks`' forward as plain differentiable ops, for a traced graph: the same GEMM over
-    the monomials with its operands swapped, so that it writes the blocks as the matrices the
-    batched products of `_square_repeatedly` take, position-major as q and k lie (``([B,] N, L' H'
-    nb, b, b)``; no transposition such as `_position_major` copies eagerly). A count per sample,
-    ``(B, 1, 1)``, broadcasts over that sample's blocks. The prefix tokens sit at the origin, whose
-    only Taylor coefficient is the constant monomial's: the GEMM and the squarings give them the
-    identity exactly."""
-    layers, heads, nb, b = gen.shape[1:5]
-    origin = coef.new_zeros(*coef.shape[:-2], num_prefix, coef.shape[-1])
-    origin[..., 0] = 1
-    coef = torch.cat([origin, coef], dim=-2)
-    sums = torch.cat(_word_sums(gen, degree, cache))  # (K, L', H', nb, b, b)
-    y = (coef @ sums.reshape(sums.shape[0], -1)).unflatten(-1, (-1, b, b))  # ([B,] N, L' H' nb, b, b)
-    if torch.is_tensor(squarings) and squarings.dim():  # (B, 1, 1) -> (B, 1, 1, 1, 1)
-        squarings = squarings[..., None, None]
-    y = _square_repeatedly(y, squarings, _squaring_limit(degree, gen.dtype))
-    # ([B,] N, L', H', nb, b, b) -> (L', [B,] H', N, nb, b, b), a view of the position-major blocks
-    return y.unflatten(-3, (layers, heads, nb)).movedim(-5, 0).transpose(-5, -4)
+def _groups_of(counts: torch.Tensor) -> Dict[int, List[int]]:
+    """Squaring counts (`_squaring_count`, any shape) read to the host, one sync: the indices of the
+    flattened counts grouped by count. A non-finite norm bound (NaN or infinite generators or
+    positions) has no count: it fails here with a clear error rather than in an integer conversion."""
+    values = counts.flatten().tolist()
+    if not all(math.isfinite(v) for v in values):
+        raise RuntimeError('vispe: the norm bound of a learned rotation is not finite (NaN or infinite generators '
+                           'or positions): no number of squarings exponentiates it')
+    groups: Dict[int, List[int]] = {}
+    for i, s in enumerate(values):
+        groups.setdefault(int(s), []).append(i)
+    return groups
+
+
+# Traced (torch.compile, torch.export) the rotations are one operator, opaque to the tracer, whose
+# kernel is the eager code (`_blocks_forward`, `_blocks_backward`): it reads the squaring count from
+# its count tensor as eager code does and takes exactly that many squarings (no static maximum of
+# masked ones), in the eager path's own layout and order of operations, hence eager's numbers.
+
+
+@torch.library.custom_op('vispe::linear_exp_blocks', mutates_args=())
+def _linear_exp_blocks(gen: torch.Tensor, coef: torch.Tensor, squarings: torch.Tensor,
+                       incidence: List[torch.Tensor], num_prefix: int) -> torch.Tensor:
+    """`_blocks_forward` with the count read from ``squarings`` (0-dim, or ``(B, 1, 1)`` per sample of
+    batched ``coef`` ``(B, N, K)``: each group of samples with its own count, as `linear_exp` groups
+    them eagerly); position-major rotations ``(L', [B,] N_prefix + N, H', nb, b, b)``, contiguous."""
+    with autocast_off(gen.device):  # as `prepare` runs it: the caller's autocast is traced away
+        groups = _groups_of(squarings)
+        if squarings.dim() == 0 or len(groups) == 1:
+            return _blocks_forward(gen, coef, next(iter(groups)), incidence, num_prefix)
+        out = gen.new_empty(_blocks_shape(gen, coef, num_prefix))
+        for s, members in groups.items():
+            index = torch.tensor(members, device=coef.device)
+            out.index_copy_(1, index, _blocks_forward(gen, coef[index], s, incidence, num_prefix))
+        return out
+
+
+@_linear_exp_blocks.register_fake
+def _(gen, coef, squarings, incidence, num_prefix):
+    return gen.new_empty(_blocks_shape(gen, coef, num_prefix))
+
+
+@torch.library.custom_op('vispe::linear_exp_blocks_backward', mutates_args=())
+def _linear_exp_blocks_backward(grad: torch.Tensor, gen: torch.Tensor, coef: torch.Tensor, squarings: torch.Tensor,
+                                incidence: List[torch.Tensor], num_prefix: int, needs_gen: bool, needs_coef: bool
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`_blocks_backward` per group of `_linear_exp_blocks`; a gradient not asked for is an empty tensor."""
+    needs = (needs_gen, needs_coef)
+    with autocast_off(gen.device):
+        groups = _groups_of(squarings)
+        if squarings.dim() == 0 or len(groups) == 1:
+            grad_gen, grad_coef = _blocks_backward(grad, gen, coef, next(iter(groups)), incidence, num_prefix, needs)
+        else:
+            grad_gen = torch.zeros_like(gen) if needs_gen else None
+            grad_coef = torch.zeros_like(coef) if needs_coef else None
+            for s, members in groups.items():
+                index = torch.tensor(members, device=coef.device)
+                part_gen, part_coef = _blocks_backward(grad.index_select(1, index), gen, coef[index], s, incidence,
+                                                       num_prefix, needs)
+                if needs_gen:
+                    grad_gen += part_gen
+                if needs_coef:
+                    grad_coef.index_copy_(0, index, part_coef)
+    return (grad_gen.contiguous() if needs_gen else gen.new_empty(0),
+            grad_coef.contiguous() if needs_coef else coef.new_empty(0))
+
+
+@_linear_exp_blocks_backward.register_fake
+def _(grad, gen, coef, squarings, incidence, num_prefix, needs_gen, needs_coef):
+    return (gen.new_empty(gen.shape if needs_gen else (0,)), coef.new_empty(coef.shape if needs_coef else (0,)))
+
+
+def _keep_for_backward(ctx, inputs, output) -> None:
+    gen, coef, squarings, incidence, num_prefix = inputs
+    ctx.save_for_backward(gen, coef, squarings, *incidence)
+    ctx.num_prefix = num_prefix
+
+
+def _linear_exp_blocks_grad(ctx, grad):
+    gen, coef, squarings, *incidence = ctx.saved_tensors
+    needs_gen, needs_coef = ctx.needs_input_grad[:2]
+    grad_gen, grad_coef = _linear_exp_blocks_backward(grad, gen, coef, squarings, incidence, ctx.num_prefix,
+                                                      needs_gen, needs_coef)
+    return grad_gen if needs_gen else None, grad_coef if needs_coef else None, None, [None] * len(incidence), None
+
+
+_linear_exp_blocks.register_autograd(_linear_exp_blocks_grad, setup_context=_keep_for_backward)
 
 
 def _exp_from_monomials(gen: torch.Tensor, coef: torch.Tensor, squarings: Squarings, degree: int, num_prefix: int,
                         cache: Optional[TensorCache]) -> torch.Tensor:
-    """Rotations from the positions' Taylor coefficients, memory-lean under autograd either way:
-    eagerly `_LinearExpBlocks`; traced, `_exp_blocks` under activation checkpointing (torch.compile
-    and torch.export trace it: only the inputs are kept, the rest is recomputed in backward)."""
+    """Rotations ``(L', [B,] H', N_prefix + N, nb, b, b)`` from the positions' Taylor coefficients,
+    memory-lean under autograd (only the inputs are kept; backward recomputes the rest): eagerly
+    `_LinearExpBlocks`; traced, the `vispe::linear_exp_blocks` operator, which runs the same code."""
     if _squarings_readable(gen):
         return _LinearExpBlocks.apply(gen, coef, squarings, degree, num_prefix, cache)
-    if torch.is_grad_enabled() and (gen.requires_grad or coef.requires_grad):
-        # nothing random inside: no RNG state to keep
-        return checkpoint(_exp_blocks, gen, coef, squarings, degree, num_prefix, cache, use_reentrant=False,
-                          preserve_rng_state=False)
-    return _exp_blocks(gen, coef, squarings, degree, num_prefix, cache)
+    if not torch.is_tensor(squarings):
+        squarings = torch.full((), float(squarings), dtype=gen.dtype, device=gen.device)
+    incidence = list(_incidence(gen, degree, cache))
+    return _linear_exp_blocks(gen, coef, squarings, incidence, num_prefix).transpose(-5, -4)
 
 
 def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int] = None, num_prefix: int = 0,
@@ -462,8 +566,8 @@ def linear_exp(gen: torch.Tensor, coords: torch.Tensor, squarings: Optional[int]
     position), with ``squarings`` squarings (default: from a norm bound over all positions; with
     ``sample_squarings``, each sample of batched coords with the squarings it needs alone, so that it
     gets the same rotations as alone: a NaFlex batch). With gradients on, the result is recomputed in
-    backward rather than keeping the squarings' intermediates. Traced, the same numbers
-    (`_traced_squarings`). ``cache``: the calling encoding's `TensorCache`, which keeps the small
+    backward rather than keeping the squarings' intermediates. Traced, the same numbers by the same
+    code (the ``vispe::linear_exp_blocks`` operator). ``cache``: the calling encoding's `TensorCache`, which keeps the small
     constant tensors of the monomial plan on the device.
     """
     if gen.shape[-1] == 2:
