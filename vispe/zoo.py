@@ -11,9 +11,11 @@ dropped, initialised and resampled.
 
 ``import vispe`` wraps each entrypoint of these timm modules so that it accepts ``pe=``
 (`wrap_timm_entrypoints`, idempotent; `unwrap_timm_entrypoints` restores timm's registry): without it
-the original entrypoint runs untouched (same class, outputs, state dict, pretrained configs); with
-it timm builds (and loads) the model through its own entrypoint, loader and checkpoint filters, then
-`convert` runs. ``timm_pe_spec(model)`` is the spec of the model's own encoding (``learned``,
+the original entrypoint runs untouched (same class, outputs, state dict, pretrained configs, timm's
+fixed input size); with it timm builds (and loads) the model through its own entrypoint, loader and
+checkpoint filters, then `convert` runs. With ``pe=`` the model is built with
+``dynamic_img_size=True`` unless the call says otherwise, so it takes any input size the patch
+divides, as vispe's own ViTs do (at the built size its outputs are those of the fixed-size model). ``timm_pe_spec(model)`` is the spec of the model's own encoding (``learned``,
 ``rope_timm:...`` or both), with which the converted model computes timm's own outputs.
 
 The blocks and attention modules kept are those of `vispe.layers`; the conversion itself is
@@ -202,6 +204,7 @@ def _load_export(fn: Callable[..., nn.Module], pe: PESpec, saved: PESpec, kwargs
     if format_pe_spec(pe) != format_pe_spec(saved):
         raise ValueError(f'{fn.__name__}: the checkpoint was saved with pe={saved!r} and holds that encoding\'s '
                          f'weights; load it with pe={saved!r} (or without pe), not pe={pe!r}')
+    kwargs.setdefault('dynamic_img_size', True)
     features = kwargs.pop('features_only', False)
     feature_cfg = dict(kwargs.pop('feature_cfg', None) or {}, out_indices=kwargs.pop('out_indices', 3))
     model = fn(pretrained=False, **kwargs)
@@ -216,12 +219,15 @@ def _load_export(fn: Callable[..., nn.Module], pe: PESpec, saved: PESpec, kwargs
 
 
 def _wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """``fn`` accepting ``pe=``; without it, ``fn`` itself runs."""
+    """``fn`` accepting ``pe=`` (``dynamic_img_size`` then defaults to True); without it, ``fn`` itself runs."""
     @functools.wraps(fn)
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
         if 'pe' not in kwargs:
             return fn(pretrained=pretrained, **kwargs)
         pe = kwargs.pop('pe')
+        # with an encoding the model takes any input size the patch divides, as vispe's own ViTs
+        # (`dynamic_img_size=False` keeps timm's fixed size); at the built size the outputs are the same
+        kwargs.setdefault('dynamic_img_size', True)
         # timm passes a local-dir / hub checkpoint's saved model_args on as pretrained_model_args
         saved = (kwargs.get('pretrained_model_args') or {}).get('pe')
         if pretrained and saved is not None:
