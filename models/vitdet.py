@@ -45,6 +45,7 @@ from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 import vispe
+from vispe.registry import PESpec
 
 __all__ = ['ViTDetBackbone', 'SimpleFeaturePyramid', 'vitdet_detector', 'KeepSizeTransform', 'global_block_indices',
            'window_partition', 'window_unpartition']
@@ -128,7 +129,7 @@ class SimpleFeaturePyramid(nn.Module):
         return out
 
 
-def _build_trunk(model: str, pe: Any, pretrained_file: Optional[str],
+def _build_trunk(model: str, pe: PESpec, pretrained_file: Optional[str],
                  kwargs: Dict[str, Any]) -> nn.Module:
     """The timm model ``model`` with encoding ``pe`` (None: its own), dynamic size, loaded from
     ``pretrained_file`` as the zoo loads, without head, final norm and prefix tokens."""
@@ -184,7 +185,7 @@ class ViTDetBackbone(nn.Module):
             patch size does not divide (an image smaller than one patch included).
     """
 
-    def __init__(self, model: str = 'vit_base_patch16_224', pe: Any = None, *, out_channels: int = 256,
+    def __init__(self, model: str = 'vit_base_patch16_224', pe: PESpec = None, *, out_channels: int = 256,
                  window_size: Optional[int] = 14, global_blocks: Optional[Sequence[int]] = None, num_global: int = 4,
                  top_block: bool = True, pretrained_file: Optional[str] = None, **model_kwargs: Any) -> None:
         super().__init__()
@@ -279,35 +280,51 @@ class KeepSizeTransform(GeneralizedRCNNTransform):
         return image, target
 
 
-def vitdet_detector(detector: Literal['faster_rcnn', 'mask_rcnn', 'retinanet'] = 'faster_rcnn', *,
-                    num_classes: int = 91, model: str = 'vit_base_patch16_224', pe: Any = None,
-                    keep_size: bool = False, min_size: int = 1024, max_size: int = 1024,
-                    backbone_kwargs: Optional[Dict[str, Any]] = None, **detector_kwargs: Any) -> nn.Module:
+def vitdet_detector(
+        detector: Literal['faster_rcnn', 'mask_rcnn', 'retinanet'] = 'faster_rcnn',
+        num_classes: int = 91,
+        model: str = 'vit_base_patch16_224',
+        pe: PESpec = None,
+        out_channels: int = 256,
+        window_size: Optional[int] = 14,
+        num_global: int = 4,
+        global_blocks: Optional[List[int]] = None,
+        pretrained_file: Optional[str] = None,
+        model_args: Optional[Dict[str, Any]] = None,
+        keep_size: bool = False,
+        min_size: int = 1024,
+        max_size: int = 1024,
+        detector_args: Optional[Dict[str, Any]] = None,
+) -> nn.Module:
     """A torchvision detector on a `ViTDetBackbone`.
 
     Args:
         detector: ``'faster_rcnn'``, ``'mask_rcnn'`` or ``'retinanet'`` (torchvision's classes, their defaults).
         num_classes: classes including the background (torchvision's convention; COCO: 91).
-        model: the timm name of the ViT (see `ViTDetBackbone`).
+        model: the timm name of the ViT.
         pe: encoding spec (None: the model's own).
+        out_channels, window_size, num_global, global_blocks, pretrained_file: see `ViTDetBackbone`.
+        model_args: further arguments of the timm model (``depth``, ``embed_dim``, ``img_size``,
+            ``drop_path_rate``, ...).
         keep_size: keep each image's size (`KeepSizeTransform`) instead of torchvision's resize to
             ``min_size`` / ``max_size`` (ViTDet: 1024 on the longer side; its large-scale jitter is data
             augmentation).
         min_size, max_size: torchvision's resize targets (when ``keep_size`` is False).
-        backbone_kwargs: further `ViTDetBackbone` arguments (``window_size``, ``pretrained_file``, ``depth``, ...).
-        detector_kwargs: further arguments of the torchvision detector.
+        detector_args: further arguments of the torchvision detector (``box_detections_per_img``, ...).
+
+    Raises:
+        ValueError: an unknown ``detector``, and whatever `ViTDetBackbone` refuses.
     """
     classes = {'faster_rcnn': FasterRCNN, 'mask_rcnn': MaskRCNN, 'retinanet': RetinaNet}
     if detector not in classes:
         raise ValueError(f'detector must be one of {", ".join(map(repr, DETECTORS))}, got {detector!r}')
-    backbone = ViTDetBackbone(model, pe, **(backbone_kwargs or {}))
+    backbone = ViTDetBackbone(model, pe, out_channels=out_channels, window_size=window_size, num_global=num_global,
+                              global_blocks=global_blocks, pretrained_file=pretrained_file, **(model_args or {}))
     # images padded to twice the patch: whole tokens, and an even grid for the stride-32 level
-    detector_kwargs.setdefault('size_divisible', 2 * max(backbone.patch_size))
-    net = classes[detector](backbone, num_classes=num_classes, min_size=min_size, max_size=max_size,
-                            **detector_kwargs)
+    args = dict({'size_divisible': 2 * max(backbone.patch_size)}, **(detector_args or {}))
+    net = classes[detector](backbone, num_classes=num_classes, min_size=min_size, max_size=max_size, **args)
     if keep_size:
         t = net.transform
         net.transform = KeepSizeTransform(t.min_size, t.max_size, t.image_mean, t.image_std,
                                           size_divisible=t.size_divisible)
     return net
-

@@ -457,6 +457,20 @@ def test_zoo_model_with_pe_is_timms_at_the_built_size(name):
         torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_zoo_model_whose_img_size_the_patch_does_not_divide_keeps_timms_fixed_size():
+    """timm's fixed-size patch embedding crops the remainder of 56 px under a 16 px patch, which a dynamic
+    model would refuse: with pe= (and no dynamic_img_size) the model stays fixed-size and gives timm's output."""
+    torch.manual_seed(0)
+    ref = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=56).eval()
+    torch.manual_seed(0)
+    model = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=56,
+                              pe='learned').eval()
+    assert not model.dynamic_img_size and model.patch_embed.strict_img_size
+    x = torch.randn(1, 3, 56, 56)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+
+
 def test_a_fixed_size_zoo_model_at_another_size_says_to_pass_dynamic_img_size():
     model = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=(32, 48),
                               pe='rope_mixed', dynamic_img_size=False)
