@@ -46,6 +46,16 @@ def test_window_attention_equals_global_attention_masked_to_windows(pe):
         torch.testing.assert_close(bb.forward_features(x), _masked_global_reference(bb, x, 3), rtol=1e-5, atol=1e-5)
 
 
+def _image_encodings():
+    return [n for n in vispe.list_pes() if not vispe.pe_info(n)['cls'].requires]  # cameras: no image host
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('pe', _image_encodings())
+def test_window_attention_keeps_grid_positions_for_every_image_encoding(pe):
+    test_window_attention_equals_global_attention_masked_to_windows(pe)
+
+
 def test_a_window_as_large_as_the_grid_is_global_attention():
     windowed, plain = _backbone('rope_mixed', window_size=14, num_global=1), _backbone('rope_mixed', window_size=None)
     assert windowed.global_blocks != plain.global_blocks
