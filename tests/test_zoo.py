@@ -12,6 +12,7 @@ import pytest
 import timm
 import torch
 from timm.models import _registry
+from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import nn
 
 import vispe
@@ -429,14 +430,60 @@ def test_an_input_the_patch_does_not_divide_runs_as_in_timm(kwargs):
         torch.testing.assert_close(model(x), ref(x))
 
 
-def test_a_zoo_model_at_another_size_says_to_pass_dynamic_img_size():
-    model = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=(32, 48), pe='rope_mixed')
+def test_a_zoo_model_with_pe_runs_at_another_size():
+    """With pe= a zoo name is dynamic by default (as vispe's own names): built at 32x48, run at 48x64."""
+    model = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=(32, 48),
+                              pe='rope_mixed')
+    assert model.dynamic_img_size and not model.patch_embed.strict_img_size
+    assert model(torch.randn(1, 3, 48, 64)).shape == (1, 1000)
+    with pytest.raises(ValueError, match=r'input size 40x64 is not divisible by the patch size 16x16'):
+        model(torch.randn(1, 3, 40, 64))
+
+
+@pytest.mark.parametrize('name', ['vit_small_patch16_224', 'eva02_tiny_patch14_224', 'deit_tiny_distilled_patch16_224'])
+def test_zoo_model_with_pe_is_timms_at_the_built_size(name):
+    """Dynamic by default changes nothing at the size the model was built for: with timm's own encoding
+    the converted model gives the (fixed-size) timm model's output."""
+    torch.manual_seed(0)
+    ref = timm.create_model(name, depth=2, embed_dim=64, num_heads=4).eval()
+    assert not ref.dynamic_img_size  # timm's default without pe= is unchanged
+    sharpen(ref)
+    torch.manual_seed(0)
+    model = timm.create_model(name, depth=2, embed_dim=64, num_heads=4, pe=vispe.timm_pe_spec(ref)).eval()
+    assert model.dynamic_img_size
+    sharpen(model)  # the same weights: the same seed, and sharpen draws from its own generator
+    x = torch.randn(2, 3, *ref.patch_embed.img_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_zoo_model_whose_img_size_the_patch_does_not_divide_keeps_timms_fixed_size():
+    """timm's fixed-size patch embedding crops the remainder of 56 px under a 16 px patch, which a dynamic
+    model would refuse: with pe= (and no dynamic_img_size) the model stays fixed-size and gives timm's output."""
+    torch.manual_seed(0)
+    ref = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=56).eval()
+    torch.manual_seed(0)
+    model = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=56,
+                              pe='learned').eval()
+    assert not model.dynamic_img_size and model.patch_embed.strict_img_size
+    x = torch.randn(1, 3, 56, 56)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+
+
+def test_a_fixed_size_zoo_model_at_another_size_says_to_pass_dynamic_img_size():
+    model = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=(32, 48),
+                              pe='rope_mixed', dynamic_img_size=False)
     with pytest.raises(ValueError, match=r"does not match the model's fixed input size 32x48; build it with "
                                          r'dynamic_img_size=True'):
         model(torch.randn(1, 3, 48, 64))
-    dynamic = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=(32, 48),
-                                pe='rope_mixed', dynamic_img_size=True)
-    assert dynamic(torch.randn(1, 3, 48, 64)).shape == (1, 1000)
+
+
+def test_a_zoo_model_without_pe_keeps_timms_fixed_size():
+    model = timm.create_model('vit_small_patch16_224', depth=1, embed_dim=64, num_heads=4, img_size=(32, 48))
+    assert type(model) is TimmVisionTransformer and not model.dynamic_img_size
+    with pytest.raises(AssertionError, match=r"Input height \(48\) doesn't match model \(32\)"):
+        model(torch.randn(1, 3, 48, 64))
 
 
 @pytest.mark.parametrize('name', ['eva02_tiny_patch14_224', 'deit3_small_patch16_224', 'vit_tiny'])

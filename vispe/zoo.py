@@ -11,9 +11,13 @@ dropped, initialised and resampled.
 
 ``import vispe`` wraps each entrypoint of these timm modules so that it accepts ``pe=``
 (`wrap_timm_entrypoints`, idempotent; `unwrap_timm_entrypoints` restores timm's registry): without it
-the original entrypoint runs untouched (same class, outputs, state dict, pretrained configs); with
-it timm builds (and loads) the model through its own entrypoint, loader and checkpoint filters, then
-`convert` runs. ``timm_pe_spec(model)`` is the spec of the model's own encoding (``learned``,
+the original entrypoint runs untouched (same class, outputs, state dict, pretrained configs, timm's
+fixed input size); with it timm builds (and loads) the model through its own entrypoint, loader and
+checkpoint filters, then `convert` runs. With ``pe=`` the model is built with
+``dynamic_img_size=True`` unless the call says otherwise, so it takes any input size the patch
+divides, as vispe's own ViTs do (at the built size its outputs are those of the fixed-size model);
+a model whose ``img_size`` the patch does not divide keeps timm's fixed size, whose patch
+embedding crops the remainder. ``timm_pe_spec(model)`` is the spec of the model's own encoding (``learned``,
 ``rope_timm:...`` or both), with which the converted model computes timm's own outputs.
 
 The blocks and attention modules kept are those of `vispe.layers`; the conversion itself is
@@ -29,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import timm
 import torch
+from timm.layers import Format
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
@@ -193,7 +198,8 @@ def _checkpoint_grid(model: nn.Module) -> Optional[Tuple[int, ...]]:
     return tuple(s // p for s, p in zip(size[-2:], patch)) if size else None
 
 
-def _load_export(fn: Callable[..., nn.Module], pe: PESpec, saved: PESpec, kwargs: Dict[str, Any]) -> nn.Module:
+def _load_export(fn: Callable[..., nn.Module], pe: PESpec, saved: PESpec, kwargs: Dict[str, Any],
+                 default_dynamic: bool) -> nn.Module:
     """A checkpoint that `save_for_hf` wrote from a converted model (its ``model_args`` carry ``pe``): its
     state dict is the converted model's (the encoding's entries, no ``pos_embed``), so the whole model is
     built, converted, and loaded by timm's own loader (file or hub, classifier and input-channel
@@ -206,6 +212,8 @@ def _load_export(fn: Callable[..., nn.Module], pe: PESpec, saved: PESpec, kwargs
     feature_cfg = dict(kwargs.pop('feature_cfg', None) or {}, out_indices=kwargs.pop('out_indices', 3))
     model = fn(pretrained=False, **kwargs)
     convert(model, pe, name=fn.__name__)
+    if default_dynamic:
+        _fixed_if_patch_does_not_divide(model)
     load_pretrained(model, num_classes=0 if features else model.num_classes, in_chans=kwargs.get('in_chans', 3))
     model.pretrained_report = LoadReport([], [], [])  # every entry came from the checkpoint
     if not features:
@@ -215,21 +223,38 @@ def _load_export(fn: Callable[..., nn.Module], pe: PESpec, saved: PESpec, kwargs
     return wrapped
 
 
+def _fixed_if_patch_does_not_divide(model: nn.Module) -> None:
+    """Back to timm's fixed input size (as the model would be built without ``dynamic_img_size``) when
+    the patch does not divide the model's ``img_size``: timm's fixed-size patch embedding crops that
+    remainder, which a dynamic model refuses, so the model keeps timm's outputs at its own size."""
+    embed = model.patch_embed
+    if embed.img_size is None or not any(s % p for s, p in zip(embed.img_size, embed.patch_size)):
+        return
+    model.dynamic_img_size = False
+    embed.strict_img_size, embed.flatten, embed.output_fmt = True, True, Format.NCHW
+
+
 def _wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """``fn`` accepting ``pe=``; without it, ``fn`` itself runs."""
+    """``fn`` accepting ``pe=`` (``dynamic_img_size`` then defaults to True); without it, ``fn`` itself runs."""
     @functools.wraps(fn)
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
         if 'pe' not in kwargs:
             return fn(pretrained=pretrained, **kwargs)
         pe = kwargs.pop('pe')
+        default_dynamic = 'dynamic_img_size' not in kwargs
+        # with an encoding the model takes any input size the patch divides, as vispe's own ViTs
+        # (`dynamic_img_size=False` keeps timm's fixed size); at the built size the outputs are the same
+        kwargs.setdefault('dynamic_img_size', True)
         # timm passes a local-dir / hub checkpoint's saved model_args on as pretrained_model_args
         saved = (kwargs.get('pretrained_model_args') or {}).get('pe')
         if pretrained and saved is not None:
-            return _load_export(fn, pe, saved, kwargs)
+            return _load_export(fn, pe, saved, kwargs, default_dynamic)
         model = fn(pretrained=pretrained, **kwargs)
         # features_only=True: timm wraps the model, which serves forward_intermediates to the wrapper
         host = model.model if isinstance(model, FeatureGetterNet) else model
         convert(host, pe, name=fn.__name__, loaded_grid=_checkpoint_grid(host) if pretrained else None)
+        if default_dynamic:
+            _fixed_if_patch_does_not_divide(host)
         return model
     entrypoint._vispe_original = fn
     return entrypoint
