@@ -11,7 +11,8 @@ the forward (`PreparedPE`, from ``pe.prepare(pos)``). The dispatch reads the enc
 * an encoding that needs the attention weights (``needs_weights``): explicit softmax attention;
 * a bias the encoding offers as a FlexAttention ``score_mod`` (`PositionalEncoding.score_mod`, e.g.
   LookHere's ``kernel='flex'``): FlexAttention, which never materialises the ``N x N`` bias (not with
-  dropout, ``force_explicit`` or a weights term, which take the dense bias).
+  dropout, ``force_explicit`` or a weights term, nor on the CPU where gradients are needed: FlexAttention
+  has no CPU backward; these take the dense bias).
 
 The attention's input tokens reach the q/k map only of an encoding that declares ``needs_tokens``.
 """
@@ -48,6 +49,12 @@ def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     # compiled (one compilation per shape, on first use)
     from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_lacks_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """FlexAttention has no backward on the CPU: a CPU attention that needs gradients takes the dense bias."""
+    return q.device.type == 'cpu' and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                    or v.requires_grad)
 
 
 def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Callable[..., torch.Tensor],
@@ -129,7 +136,8 @@ def pe_attention(
         if 'value' in caps.hooks:
             v = pe.value(v, layer)
         if 'bias' in caps.hooks:
-            if not (caps.needs_weights or force_explicit or dropout_p > 0 or is_causal):
+            if not (caps.needs_weights or force_explicit or dropout_p > 0 or is_causal
+                    or _flex_lacks_backward(q, k, v)):
                 score_mod = pe.score_mod(layer, q.dtype)
             if score_mod is None:
                 bias = pe.bias(q, k, layer)

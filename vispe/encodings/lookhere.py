@@ -121,14 +121,12 @@ def _distance(d2: torch.Tensor, distance: str) -> torch.Tensor:
 
 
 @dataclass
-class _Coords:
-    """Coordinates ``(Bc, P + N, 2)`` with zero rows in front for the ``P`` prefix tokens (FlexAttention
-    indexes them by token index) and the flag telling per-sample coordinates (``Bc = B``) apart."""
-    q: torch.Tensor
-    k: torch.Tensor
-    prefix_q: int
-    prefix_k: int
-    batched: bool
+class _Grid:
+    """Self-attention over one ``(h, w)`` grid of row-major patch indices after ``prefix`` tokens
+    (``kernel='flex'``): FlexAttention computes each pair's offset from the two token indices."""
+    coords: torch.Tensor
+    grid: Tuple[int, int]
+    prefix: int
 
 
 @dataclass
@@ -207,10 +205,8 @@ class LookHere(PositionalEncoding):
         pos_k = pos_q if pos_k is None else pos_k
         cq = self._coords(pos_q)
         ck = cq if pos_k is pos_q else self._coords(pos_k)
-        if self.kernel == 'flex':
-            batched = cq.dim() == 3 or ck.dim() == 3
-            return _Coords(_front_pad(cq, pos_q.num_prefix), _front_pad(ck, pos_k.num_prefix),
-                           pos_q.num_prefix, pos_k.num_prefix, batched)
+        if self.kernel == 'flex' and pos_k is pos_q and pos_q.grid is not None and not pos_q.batched:
+            return _Grid(cq, tuple(pos_q.grid), pos_q.num_prefix)
         return self._dense(cq, ck, pos_q.num_prefix, pos_k.num_prefix)
 
     def _dense(self, cq: torch.Tensor, ck: torch.Tensor, prefix_q: int, prefix_k: int) -> _Dense:
@@ -231,50 +227,34 @@ class LookHere(PositionalEncoding):
         return self.layer_scale[layer]
 
     def bias(self, q, k, state, layer):
-        if isinstance(state, _Coords):  # kernel='flex' outside FlexAttention (the explicit path): the same bias
-            state = self._dense_from_coords(state)
+        if isinstance(state, _Grid):  # kernel='flex' on a path FlexAttention does not take: the same bias
+            state = self._dense(state.coords, state.coords, state.prefix, state.prefix)
         bias = state.penalty * -self._layer_scale(layer).to(state.penalty.dtype)
         return bias.masked_fill(state.blocked, torch.finfo(q.dtype).min).to(q.dtype)
 
-    def _dense_from_coords(self, c: _Coords) -> _Dense:
-        """The dense state of flex coordinates (for the paths FlexAttention does not take)."""
-        q, k = c.q[:, c.prefix_q:], c.k[:, c.prefix_k:]
-        return self._dense(q if c.batched else q[0], k if c.batched else k[0], c.prefix_q, c.prefix_k)
-
     def score_mod(self, state, layer: int, dtype: torch.dtype) -> Optional[Callable[..., torch.Tensor]]:
-        if not isinstance(state, _Coords):
+        if not isinstance(state, _Grid):
             return None
-        return _score_mod(state, self.half_planes, self.head_slopes * self._layer_scale(layer), self.distance,
-                          torch.finfo(dtype).min)
+        self._layer_scale(layer)
+        # only the encoding's buffers are captured: inductor's CPU FlexAttention kernel takes captured
+        # tensors that are graph inputs, not tensors computed in the graph (coordinates, products)
+        planes, slopes, scales, distance = self.half_planes, self.head_slopes, self.layer_scale, self.distance
+        width, prefix, lowest = state.grid[1], state.prefix, torch.finfo(dtype).min
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            qi, ki = q_idx - prefix, kv_idx - prefix
+            qy, ky = qi // width, ki // width
+            dy = (ky - qy).to(slopes.dtype)
+            dx = ((ki - ky * width) - (qi - qy * width)).to(slopes.dtype)
+            seen = planes[h, 0, 0] * dy + planes[h, 0, 1] * dx >= 0
+            for p in range(1, _MAX_PLANES):
+                seen = seen & (planes[h, p, 0] * dy + planes[h, p, 1] * dx >= 0)
+            penalty = slopes[h] * scales[layer] * _distance(dy * dy + dx * dx, distance)
+            bias = torch.where(seen, -penalty, lowest)
+            bias = torch.where((qi < 0) | (ki < 0), 0.0, bias)  # prefix tokens
+            return score + bias.to(score.dtype)
+
+        return score_mod
 
     def extra_repr(self) -> str:
         return f'directions={self.directions}, kernel={self.kernel}'
-
-
-def _front_pad(c: torch.Tensor, n: int) -> torch.Tensor:
-    """``(Bc, n + N, 2)``: coordinates with ``n`` zero rows in front, a batch axis of 1 when unbatched."""
-    c = c if c.dim() == 3 else c.unsqueeze(0)
-    return torch.cat([c.new_zeros(c.shape[0], n, c.shape[-1]), c], 1) if n else c
-
-
-def _score_mod(c: _Coords, planes: torch.Tensor, scale: torch.Tensor, distance: str,
-               lowest: float) -> Callable[..., torch.Tensor]:
-    """FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` adding the bias of one layer."""
-    # separate contiguous tensors: the CPU FlexAttention kernel takes captured inputs, not views of them
-    qy, qx, ky, kx = (t.contiguous() for t in (c.q[..., 0], c.q[..., 1], c.k[..., 0], c.k[..., 1]))
-    pa, pb = (planes[..., i].to(qy.dtype).contiguous() for i in (0, 1))
-    scale = scale.to(qy.dtype).contiguous()
-    nq, nk, batched = c.prefix_q, c.prefix_k, c.batched
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        s = b if batched else 0
-        dy = ky[s, kv_idx] - qy[s, q_idx]
-        dx = kx[s, kv_idx] - qx[s, q_idx]
-        seen = (pa[h, 0] * dy + pb[h, 0] * dx >= 0)
-        for p in range(1, _MAX_PLANES):
-            seen = seen & (pa[h, p] * dy + pb[h, p] * dx >= 0)
-        bias = torch.where(seen, -scale[h] * _distance(dy * dy + dx * dx, distance), lowest)
-        bias = torch.where((q_idx < nq) | (kv_idx < nk), 0.0, bias)
-        return score + bias.to(score.dtype)
-
-    return score_mod
