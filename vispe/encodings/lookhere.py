@@ -235,10 +235,15 @@ class LookHere(PositionalEncoding):
     def score_mod(self, state, layer: int, dtype: torch.dtype) -> Optional[Callable[..., torch.Tensor]]:
         if not isinstance(state, _Grid):
             return None
-        self._layer_scale(layer)
-        # only the encoding's buffers are captured: inductor's CPU FlexAttention kernel takes captured
-        # tensors that are graph inputs, not tensors computed in the graph (coordinates, products)
-        planes, slopes, scales, distance = self.half_planes, self.head_slopes, self.layer_scale, self.distance
+        scale = self._layer_scale(layer)
+        if torch.compiler.is_compiling():
+            # inductor's CPU FlexAttention kernel takes captured tensors that are graph inputs (the buffers),
+            # not tensors computed in the graph (coordinates, products); the layer is a constant there
+            slopes, scales, at = self.head_slopes, self.layer_scale, layer
+        else:  # one compiled kernel serves every layer: its slopes are an input, not a constant
+            slopes, at = self.head_slopes * scale, 0
+            scales = slopes.new_ones(1)
+        planes, distance = self.half_planes, self.distance
         width, prefix, lowest = state.grid[1], state.prefix, torch.finfo(dtype).min
 
         def score_mod(score, b, h, q_idx, kv_idx):
@@ -249,7 +254,7 @@ class LookHere(PositionalEncoding):
             seen = planes[h, 0, 0] * dy + planes[h, 0, 1] * dx >= 0
             for p in range(1, _MAX_PLANES):
                 seen = seen & (planes[h, p, 0] * dy + planes[h, p, 1] * dx >= 0)
-            penalty = slopes[h] * scales[layer] * _distance(dy * dy + dx * dx, distance)
+            penalty = slopes[h] * scales[at] * _distance(dy * dy + dx * dx, distance)
             bias = torch.where(seen, -penalty, lowest)
             bias = torch.where((qi < 0) | (ki < 0), 0.0, bias)  # prefix tokens
             return score + bias.to(score.dtype)
