@@ -43,7 +43,7 @@ def run(args: argparse.Namespace, img: int) -> None:
         print(f'{spec:24s} {times[spec] / base:6.3f} {mem / 2**20:9.1f}', flush=True)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--model', default='vit_small')
     parser.add_argument('--img', type=int, nargs='+', default=[224, 448])
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--threads', type=int, default=0, help='torch threads (0: leave as is)')
     parser.add_argument('--timer', choices=('wall', 'cpu'), default='wall')
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     for img in args.img:

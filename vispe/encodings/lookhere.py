@@ -229,8 +229,8 @@ class LookHere(PositionalEncoding):
     def bias(self, q, k, state, layer):
         if isinstance(state, _Grid):  # kernel='flex' on a path FlexAttention does not take: the same bias
             state = self._dense(state.coords, state.coords, state.prefix, state.prefix)
-        bias = state.penalty * -self._layer_scale(layer).to(state.penalty.dtype)
-        return bias.masked_fill(state.blocked, torch.finfo(q.dtype).min).to(q.dtype)
+        bias = (state.penalty * -self._layer_scale(layer).to(state.penalty.dtype)).to(q.dtype)
+        return bias.masked_fill(state.blocked, torch.finfo(q.dtype).min)
 
     def score_mod(self, state, layer: int, dtype: torch.dtype) -> Optional[Callable[..., torch.Tensor]]:
         if not isinstance(state, _Grid):
