@@ -237,8 +237,10 @@ def test_compiled_eval_equals_eager(spec):
     assert _eval_matches_eager(lambda: _vit(spec), [_images()]) == 1
 
 
-# on the CPU a train step of kernel='flex' takes the dense bias (FlexAttention has no CPU backward)
-@pytest.mark.parametrize('spec', ['lookhere', pytest.param('lookhere:kernel=flex', marks=pytest.mark.slow)])
+# ~30 s each on the CPU (test_compile's slow run compiles every encoding too); on the CPU a train step of
+# kernel='flex' takes the dense bias (FlexAttention has no CPU backward)
+@pytest.mark.slow
+@pytest.mark.parametrize('spec', ['lookhere', 'lookhere:kernel=flex'])
 def test_compiled_train_step_equals_eager(spec):
     assert _train_step_matches_eager(lambda: _vit(spec), [_images()]) == 1
 

@@ -122,8 +122,9 @@ def _distance(d2: torch.Tensor, distance: str) -> torch.Tensor:
 
 @dataclass
 class _Grid:
-    """Self-attention over one ``(h, w)`` grid of row-major patch indices after ``prefix`` tokens
-    (``kernel='flex'``): FlexAttention computes each pair's offset from the two token indices."""
+    """Self-attention over one ``(h, w)`` grid after ``prefix`` tokens (``kernel='flex'``): the tokens of a
+    `Positions` with a grid are its row-major integer indices (`vispe.grid`), so FlexAttention computes
+    each pair's offset from the two token indices. ``coords`` serve the dense fallback."""
     coords: torch.Tensor
     grid: Tuple[int, int]
     prefix: int
@@ -171,8 +172,9 @@ class LookHere(PositionalEncoding):
         layer_slopes: ``s_l`` at the first and the last layer, linear in between.
         distance: ``linear`` (Euclidean), ``sqrt`` or ``square`` of it.
         kernel: ``dense`` (an ``(H, N, N)`` float mask for SDPA) or ``flex`` (a FlexAttention
-            ``score_mod`` computing each logit's bias from the coordinates; the same numbers, no ``N x N``
-            tensor; compiled on first use).
+            ``score_mod`` computing each logit's bias from the two token indices of the grid; the same
+            numbers, no ``N x N`` tensor; compiled on first use). Self-attention over one grid only:
+            per-sample grids (NaFlex), kept tokens (token dropping) and cross-attention take the dense bias.
     """
     shift_invariant = True
     larger_input = 'extrapolate'
