@@ -232,7 +232,7 @@ class LookHere(PositionalEncoding):
         if isinstance(state, _Grid):  # kernel='flex' on a path FlexAttention does not take: the same bias
             state = self._dense(state.coords, state.coords, state.prefix, state.prefix)
         bias = (state.penalty * -self._layer_scale(layer).to(state.penalty.dtype)).to(q.dtype)
-        return bias.masked_fill(state.blocked, torch.finfo(q.dtype).min)
+        return bias.masked_fill_(state.blocked, torch.finfo(q.dtype).min)  # a fresh tensor: filled in place
 
     def score_mod(self, state, layer: int, dtype: torch.dtype) -> Optional[Callable[..., torch.Tensor]]:
         if not isinstance(state, _Grid):
