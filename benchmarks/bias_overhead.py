@@ -42,6 +42,7 @@ CASES: List[Tuple[str, str, float]] = [
     ('pape_ri', 'pape_ri', 1.10),
     ('alibi2d', 'alibi2d', 1.10),
     ('swin_rpb', 'swin_rpb', 1.10),
+    ('lookhere (dense bias)', 'lookhere', 1.10),
 ]
 
 

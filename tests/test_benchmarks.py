@@ -90,6 +90,14 @@ def test_cuda_check_compiles_model_by_model_within_its_budget(capsys, monkeypatc
     assert rows['| `rope_axial`'].endswith('| 1.00 |') and rows['| `sincos`'].endswith('| - | - | - |')
 
 
+@pytest.mark.slow  # compiles FlexAttention (~20 s on the CPU)
+def test_lookhere_flex_prints_both_kernels_against_no_encoding(capsys):
+    from benchmarks.lookhere_flex import SPECS, main
+    main(['--model', 'vit_tiny', '--img', '32', '--batch', '1', '--rounds', '1'])
+    out = capsys.readouterr().out
+    assert "(N = 5)" in out and all(f'\n{spec} ' in out for spec in SPECS)
+
+
 def test_profile_step_reports_each_encoding_against_no_encoding(capsys):
     from benchmarks.profile_step import main
     main(['--model', 'vit_tiny', '--batch', '1', '--img', '32', '--pes', 'liere', '--rows', '3'])

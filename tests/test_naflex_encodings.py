@@ -40,7 +40,7 @@ CASES_2D = [
     'irpe', 'irpe:method=cross', 'irpe:method=euclidean', 'irpe:method=quantization', 'irpe:mode=bias,on=qk',
     'irpe:on=qkv,init_std=0.5',
     'swin_rpb', 'swin_rpb:per_layer=false',
-    'alibi2d', 'alibi2d:grid_mode=normalized',
+    'alibi2d', 'alibi2d:grid_mode=normalized', 'lookhere', 'lookhere:directions=lh45',
     'pape', 'pape:grid_mode=normalized', 'pape:bias_scale=qk', 'pape_ri', 'pape_ri:grid_mode=normalized',
 ]
 CASES_3D = [
@@ -77,7 +77,7 @@ def test_each_sample_of_a_naflex_batch_gets_what_it_gets_alone(spec, num_prefix)
 
 # encodings computed in the model's dtype throughout (the others compute their phases in float32)
 CASES_FP64 = ['learned', 'learned:interpolation=bilinear', 'peg', 'irpe', 'irpe:method=cross,mode=bias,on=qkv',
-              'swin_rpb', 'alibi2d', 'alibi2d:grid_mode=normalized', 'pape', 'pape:grid_mode=normalized',
+              'swin_rpb', 'alibi2d', 'alibi2d:grid_mode=normalized', 'lookhere', 'pape', 'pape:grid_mode=normalized',
               'pape_ri']
 
 
@@ -122,7 +122,7 @@ def _hooks(pe, x, q, k, v, pos):
 
 @pytest.mark.parametrize('spec', ['learned', 'sincos', 'sincos:grid_mode=normalized', 'detr_sine', 'detr_learned',
                                   'fourier_gaussian', 'fourier_learnable', 'nerf_freq', 'peg', 'irpe', 'swin_rpb',
-                                  'alibi2d', 'pape', 'pape_ri'])
+                                  'alibi2d', 'lookhere', 'pape', 'pape_ri'])
 def test_a_naflex_batch_at_the_training_grid_is_the_shared_grid_batch(spec):
     pe = _pe(spec, TRAIN)
     B, N, ctx = 3, 1 + math.prod(TRAIN), pe.ctx

@@ -170,6 +170,8 @@ def _other_value(hint: Any, default: Any) -> Any:
         return 0.25 if default is None else default * 2 + 0.5
     if origin is tuple:
         return (0, 1) if default != (0, 1) else (1,)
+    if hint is str:  # free text (LookHere's direction families): parsing does not validate it
+        return 'other' if default != 'other' else 'text'
     raise AssertionError(f'no test value for {hint}')
 
 

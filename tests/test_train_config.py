@@ -96,7 +96,8 @@ def test_config_round_trips_through_plain_dicts():
 
 
 def _my_configs():
-    files = [CONFIGS / 'quickstart.yaml', CONFIGS / 'digits.yaml', CONFIGS / 'naflex_quickstart.yaml'] + sorted(
+    files = [CONFIGS / 'quickstart.yaml', CONFIGS / 'digits.yaml', CONFIGS / 'naflex_quickstart.yaml',
+             CONFIGS / 'extrapolation_lookhere.yaml'] + sorted(
         (CONFIGS / 'imagenet').glob('[!_]*.yaml'))
     return [pytest.param(f, id=str(f.relative_to(CONFIGS))) for f in files]
 

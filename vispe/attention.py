@@ -8,13 +8,18 @@ the forward (`PreparedPE`, from ``pe.prepare(pos)``). The dispatch reads the enc
 * no bias and no weights term (``flash_eligible``): plain SDPA (flash / memory-efficient eligible);
 * an additive bias: SDPA with a float ``attn_mask`` (on CPU, a bias that needs a gradient takes
   the explicit path, which is faster there than SDPA's math fallback);
-* an encoding that needs the attention weights (``needs_weights``): explicit softmax attention.
+* an encoding that needs the attention weights (``needs_weights``): explicit softmax attention;
+* a bias the encoding offers as a FlexAttention ``score_mod`` (`PositionalEncoding.score_mod`, e.g.
+  LookHere's ``kernel='flex'``): FlexAttention, which never materialises the ``N x N`` bias (not with
+  dropout, ``force_explicit`` or a weights term, nor on the CPU where gradients are needed: FlexAttention
+  has no CPU backward; these take the dense bias).
 
 The attention's input tokens reach the q/k map only of an encoding that declares ``needs_tokens``.
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,39 @@ def merge_masks(attn_mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
     while bias.dim() < 4:  # CPU SDPA is several times slower with a 3D mask than with a 4D one
         bias = bias.unsqueeze(0)
     return bias if attn_mask is None else bias + attn_mask
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    # eager FlexAttention materialises the scores it exists to avoid: outside a compiled region it runs
+    # compiled (one compilation per shape, on first use)
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_lacks_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """FlexAttention has no backward on the CPU: a CPU attention that needs gradients takes the dense bias."""
+    return q.device.type == 'cpu' and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                    or v.requires_grad)
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Callable[..., torch.Tensor],
+                    attn_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """FlexAttention with an encoding's ``score_mod`` and the host's mask folded into it."""
+    if attn_mask is not None:
+        mask = merge_masks(attn_mask, None, q.dtype)
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        encoding_mod = score_mod
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return encoding_mod(score, b, h, q_idx, kv_idx) + mask[b, h, q_idx, kv_idx]
+
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention(q, k, v, score_mod=score_mod, scale=scale)
+    return _compiled_flex_attention()(q, k, v, score_mod=score_mod, scale=scale)
 
 
 # torch.fx traces a host through this function as one opaque call: the hooks read positions and state
@@ -80,7 +118,7 @@ def pe_attention(
                         f'pe.prepare(pos), layer), not the encoding {pe.name!r} itself')
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     caps = pe.capabilities if pe is not None else None
-    bias = None
+    bias = score_mod = None
     if caps is not None:
         pe.check_tokens(q, k)
         if 'qk' in caps.hooks:
@@ -98,7 +136,14 @@ def pe_attention(
         if 'value' in caps.hooks:
             v = pe.value(v, layer)
         if 'bias' in caps.hooks:
-            bias = pe.bias(q, k, layer)
+            if not (caps.needs_weights or force_explicit or dropout_p > 0 or is_causal
+                    or _flex_lacks_backward(q, k, v)):
+                score_mod = pe.score_mod(layer, q.dtype)
+            if score_mod is None:
+                bias = pe.bias(q, k, layer)
+    if score_mod is not None:
+        o = _flex_attention(q, k, v, score_mod, attn_mask, scale)
+        return pe.output(o, layer) if 'output' in caps.hooks else o
     weights_term = caps is not None and caps.needs_weights
     mask = merge_masks(attn_mask, bias, q.dtype)
     if is_causal and mask is not None:

@@ -379,6 +379,14 @@ class PositionalEncoding(nn.Module):
         """Each attention: an additive logit term in logit units."""
         return None
 
+    def score_mod(self, state: Any, layer: int, dtype: torch.dtype) -> Optional[Callable[..., torch.Tensor]]:
+        """The logit bias of layer ``layer`` as a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)``
+        (the bias added to the scaled logit ``score``, masked entries at ``dtype``'s lowest value), or None
+        (the default): `vispe.pe_attention` then adds the dense `bias`. An encoding offers it where it can
+        compute one logit's bias from its prepared state without the ``N x N`` tensor; it must equal
+        `bias`."""
+        return None
+
     def value(self, v: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
         """Each attention: map v before attention."""
         return v
@@ -630,6 +638,10 @@ class PreparedPE:
     def bias(self, q: torch.Tensor, k: torch.Tensor, layer: int) -> Optional[torch.Tensor]:
         """The additive logit term of layer ``layer`` (None: no term)."""
         return self.encoding.bias(q, k, self.state, layer)
+
+    def score_mod(self, layer: int, dtype: torch.dtype) -> Optional[Callable[..., torch.Tensor]]:
+        """The bias of layer ``layer`` as a FlexAttention ``score_mod``, or None (the dense `bias` applies)."""
+        return self.encoding.score_mod(self.state, layer, dtype)
 
     def value(self, v: torch.Tensor, layer: int) -> torch.Tensor:
         return self.encoding.value(v, self.state, layer)
