@@ -144,8 +144,7 @@ def test_irpe_options_switch_its_hooks_off(on, mode, hooks, sdpa):
 @pytest.mark.parametrize('parts', [
     ('rope_mixed', 'learned'), ('irpe:on=v', 'sincos'), ('pape', 'alibi2d'), ('peg', 'rope_axial'),
     ('gta', 'irpe:on=k'), ('pape', 'rope_axial', 'learned'), ('none', 'liere'), ('rope_golden', 'peg'),
-    ('learned', 'rope_spiral'),
-    ('gta', 'irpe:on=k'), ('pape', 'rope_axial', 'learned'), ('none', 'liere'), ('lookhere', 'rope_mixed'),
+    ('learned', 'rope_spiral'), ('lookhere', 'rope_mixed'),
 ])
 def test_a_composition_declares_the_union(parts):
     composed = _build('+'.join(parts)).capabilities
