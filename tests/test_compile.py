@@ -39,7 +39,8 @@ BLOCK_ROTATIONS = ['comrope_ap:block=4', 'comrope_ld:block=4']
 # timm models' own encodings (the zoo table's learned+rope_timm:cat / :mixed)
 COMPOSITIONS = ['rope_mixed+learned', 'rope_axial+learned', 'irpe+learned', 'sincos+rope_axial', 'detr_sine+irpe',
                 'detr_sine+irpe:on=k', 'irpe+pape', 'pape+irpe', 'learned+rope_timm:rope_type=cat',
-                'learned+rope_timm:rope_type=mixed', 'rope_golden+peg', 'learned+rope_spiral']
+                'learned+rope_timm:rope_type=mixed', 'rope_golden+peg', 'learned+rope_spiral', 'detr_sine+rope_mixed',
+                'learned+irpe', 'rope2d+peg']
 ALL = image_pes() + BLOCK_ROTATIONS + COMPOSITIONS
 CAMERA = [p for p in vispe.list_pes() if vispe.pe_info(p)['cls'].requires]
 
