@@ -70,6 +70,7 @@ from ..positions import Positions, grid, pack_padded_grid, points
 from ..positions.padding import PaddedGrid
 from ..registry import PESpec, create_pe
 from .transformers_vlm import _version_tuple
+from ._instance import InstancePatch
 
 __all__ = ['patch_detr', 'DetrPatch', 'DetrPositionTable', 'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS',
            'CROSS_PE']
@@ -278,7 +279,7 @@ class DetrPositionTable(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------- the handle
-class DetrPatch:
+class DetrPatch(InstancePatch):
     """What `patch_detr` did to one model instance; ``remove()`` (or leaving a ``with`` block) undoes it.
 
     Attributes:
@@ -286,16 +287,14 @@ class DetrPatch:
         cross_pe: the resolved ``cross_pe``; cross_hooks: whether cross-attention runs the encoding's
         attention-side hooks; replaced: ``(owner, attribute)`` of everything replaced, for the record.
     """
+    marker = '_vispe_detr_patch'
 
     def __init__(self, model: nn.Module, inner: nn.Module, family: _Family, encoding: PositionalEncoding,
                  cross_pe: str, cross_hooks: bool, grid_size: Tuple[int, int], dim: int) -> None:
-        self.model, self.inner, self.family_spec, self.encoding = model, inner, family, encoding
+        super().__init__(model)
+        self.inner, self.family_spec, self.encoding = inner, family, encoding
         self.family = family.label
         self.cross_pe, self.cross_hooks, self.grid_size, self.dim = cross_pe, cross_hooks, grid_size, dim
-        self.replaced: List[Tuple[str, str]] = []
-        self._saved: List[Tuple[nn.Module, str, bool, Any]] = []
-        self._hooks: List[Any] = []
-        self._active = False
         self._clear()
 
     # ------------------------------------------------------------------ per-forward state
@@ -407,21 +406,6 @@ class DetrPatch:
         return forward
 
     # ------------------------------------------------------------------ install / remove
-    def _set(self, owner: nn.Module, name: str, value: Any, label: str) -> None:
-        in_modules = name in owner._modules
-        had = in_modules or name in owner.__dict__
-        old = owner._modules[name] if in_modules else owner.__dict__.get(name)
-        self._saved.append((owner, name, had, old))
-        self.replaced.append((label, name))
-        if isinstance(value, nn.Module):
-            owner._modules[name] = value
-        else:
-            object.__setattr__(owner, name, value)
-
-    def _hook(self, handle: Any, label: str) -> None:
-        self._hooks.append(handle)
-        self.replaced.append((label, 'hook'))
-
     def _install(self) -> None:
         inner, fam, caps = self.inner, self.family_spec, self.encoding.capabilities
         self._set(inner, 'vispe_pe', self.encoding, type(inner).__name__)
@@ -450,39 +434,12 @@ class DetrPatch:
                     attn = _self_attention(layer.self_attn, offset + i, self._aifi_plan, caps.additive)
                     self._set(layer.self_attn, 'forward', attn, f'encoder.aifi.{j}.layers.{i}.self_attn')
                 offset += len(aifi.layers)
-        self._active = True
+        self._activate()
 
     def remove(self) -> None:
         """Restore the instance: the original modules and attributes, no hooks, no ``vispe_pe``."""
-        if not self._active:
-            return
-        for h in self._hooks:
-            h.remove()
-        for owner, name, had, old in reversed(self._saved):
-            if name in owner._modules:
-                if had:
-                    owner._modules[name] = old
-                else:
-                    del owner._modules[name]
-            elif had:
-                object.__setattr__(owner, name, old)
-            else:
-                del owner.__dict__[name]
-        self._hooks, self._saved = [], []
+        super().remove()
         self._clear()
-        self._active = False
-        if self.model.__dict__.get('_vispe_detr_patch') is self:
-            del self.model.__dict__['_vispe_detr_patch']
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    def __enter__(self) -> 'DetrPatch':
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         return (f'DetrPatch({type(self.model).__name__}, encoding={self.encoding.name!r}, cross_pe={self.cross_pe!r}, '
@@ -555,7 +512,7 @@ def patch_detr(model: nn.Module, pe: Optional[PESpec] = 'rope_mixed', *, cross_p
     """
     _check_transformers()
     inner, model_type = _parts(model)
-    if model.__dict__.get('_vispe_detr_patch') is not None:
+    if DetrPatch.of(model) is not None:
         raise RuntimeError('this model is already patched: call .remove() on its DetrPatch first')
     family = _FAMILIES[model_type]
     learned = family.encoder != 'aifi' and getattr(model.config, 'position_embedding_type', None) == 'learned'
@@ -597,5 +554,4 @@ def patch_detr(model: nn.Module, pe: Optional[PESpec] = 'rope_mixed', *, cross_p
         _start_from_learned_table(inner, encoding)
     handle = DetrPatch(model, inner, family, encoding, cross_pe, cross_hooks, grid_size, dim)
     handle._install()
-    object.__setattr__(model, '_vispe_detr_patch', handle)
     return handle

@@ -40,6 +40,7 @@ from torch import nn
 
 from .. import multimodal as mm
 from ..rotary import apply_pair_rotation
+from ._instance import InstancePatch
 
 __all__ = ['patch_vlm', 'VLMPatch', 'VLMRotary', 'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS']
 
@@ -178,22 +179,19 @@ def _head_hook(rotary: VLMRotary, head_dim: int):
     return hook
 
 
-class VLMPatch:
+class VLMPatch(InstancePatch):
     """What `patch_vlm` did to one model instance; ``remove()`` (or leaving a ``with`` block) undoes it.
 
     Attributes:
         scheme: the `vispe.multimodal.Scheme` in use; ``rotary``: the `VLMRotary` module installed.
         replaced: ``(owner, attribute name)`` of everything replaced, for the record.
     """
+    marker = '_vispe_vlm_patch'
 
     def __init__(self, model: nn.Module, inner: nn.Module, family: _Family, scheme: mm.Scheme,
                  rotary: VLMRotary, rule: str) -> None:
-        self.model, self.inner, self.family, self.scheme, self.rotary, self.rule = (
-            model, inner, family, scheme, rotary, rule)
-        self.replaced: List[Tuple[str, str]] = []
-        self._saved: List[Tuple[nn.Module, str, bool, Any]] = []
-        self._hooks: List[Any] = []
-        self._active = False
+        super().__init__(model)
+        self.inner, self.family, self.scheme, self.rotary, self.rule = inner, family, scheme, rotary, rule
         cfg = inner.config
         self._tokens = dict(image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
                             vision_start_token_id=cfg.vision_start_token_id,
@@ -267,16 +265,6 @@ class VLMPatch:
         return None
 
     # ------------------------------------------------------------------ install / remove
-    def _set(self, owner: nn.Module, name: str, value: Any, label: str) -> None:
-        had = name in owner.__dict__ or name in getattr(owner, '_modules', {})
-        old = owner._modules[name] if name in getattr(owner, '_modules', {}) else owner.__dict__.get(name)
-        self._saved.append((owner, name, had, old))
-        self.replaced.append((label, name))
-        if isinstance(value, nn.Module):
-            owner._modules[name] = value
-        else:
-            object.__setattr__(owner, name, value)
-
     def _install(self, attn_modules: List[Tuple[str, nn.Module]], head_dim: int) -> None:
         inner = self.inner
         self._saved_rope_deltas = inner.rope_deltas
@@ -288,38 +276,14 @@ class VLMPatch:
             for name, attn in attn_modules:
                 q, k = ('q_norm', 'k_norm') if hasattr(attn, 'q_norm') else ('q_proj', 'k_proj')
                 for part in (q, k):
-                    self._hooks.append(getattr(attn, part).register_forward_hook(hook))
-                    self.replaced.append((f'{name}.{part}', 'forward hook'))
-        self._active = True
+                    self._hook(getattr(attn, part).register_forward_hook(hook), f'{name}.{part}', 'forward hook')
+        self._activate()
 
     def remove(self) -> None:
         """Restore the instance: the original attributes and modules, no hooks, the old ``rope_deltas``."""
-        if not self._active:
-            return
-        for h in self._hooks:
-            h.remove()
-        for owner, name, had, old in reversed(self._saved):
-            if name in owner._modules:
-                owner._modules[name] = old
-            elif had:
-                object.__setattr__(owner, name, old)
-            else:
-                del owner.__dict__[name]
-        self.inner.rope_deltas = self._saved_rope_deltas
-        self._hooks, self._saved = [], []
-        self._active = False
-        if getattr(self.model, '_vispe_vlm_patch', None) is self:
-            del self.model.__dict__['_vispe_vlm_patch']
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    def __enter__(self) -> 'VLMPatch':
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
+        if self.active:
+            self.inner.rope_deltas = self._saved_rope_deltas
+        super().remove()
 
     def __repr__(self) -> str:
         return (f'VLMPatch({type(self.model).__name__}, scheme={self.scheme!r}, rule={self.rule!r}, '
@@ -363,7 +327,7 @@ def patch_vlm(model: nn.Module, scheme: Union[None, str, mm.Scheme] = None, *, r
     """
     _check_transformers()
     inner, outer, model_type = _parts(model)
-    if getattr(model, '_vispe_vlm_patch', None) is not None:
+    if VLMPatch.of(model) is not None:
         raise RuntimeError('this model is already patched: call .remove() on its VLMPatch first')
     if rule is None:
         rule = '5.x'
@@ -397,5 +361,4 @@ def patch_vlm(model: nn.Module, scheme: Union[None, str, mm.Scheme] = None, *, r
     attn = [(f'language_model.layers.{i}.self_attn', layer.self_attn)
             for i, layer in enumerate(inner.language_model.layers)]
     handle._install(attn, head_dim)
-    object.__setattr__(model, '_vispe_vlm_patch', handle)
     return handle
