@@ -15,6 +15,7 @@ VISPE_LAYERS: List[Tuple[str, ...]] = [
     ('vispe._dtypes', 'vispe._tracing', 'vispe.options', 'vispe._timm', 'vispe.extras'),  # no vispe imports
     ('vispe.cameras',),
     ('vispe.positions',),
+    ('vispe._compiled_state',),  # the contract's cache of costly states for compiled eval
     ('vispe.contract',),  # what an encoding is: the hooks, PEContext, PreparedPE
     ('vispe.registry', 'vispe.rotary'),
     ('vispe.encodings', 'vispe.multimodal'),

@@ -25,6 +25,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Dict, FrozenSet, Has
 import torch
 from torch import nn
 
+from ._compiled_state import compiled_eval_state, register as register_compiled
 from ._tracing import is_tracing
 from .options import check_arguments
 from .positions import Positions
@@ -180,8 +181,10 @@ class PositionalEncoding(nn.Module):
 
     State that depends only on positions and parameters is built in `_prepare` once per forward
     and shared by all layers; `prepare` wraps it in a `PreparedPE` and caches it in eval mode under
-    ``no_grad`` while the positions and parameters are unchanged (never while traced, and
-    inference-mode state apart). Tensors an encoding reuses across forwards (tables per grid, bucket
+    ``no_grad`` while the positions and the parameters and buffers (the same tensors, unchanged) are
+    the same (inference-mode state apart). Traced, nothing is cached; but a compiled eval forward of an
+    encoding with ``cache_compiled_state`` (a state costly to build) takes it from this cache when the
+    graph runs (`vispe._compiled_state`). Tensors an encoding reuses across forwards (tables per grid, bucket
     ids) go through its `tensor_cache`; both caches are cleared together by `clear_cache` (mode,
     device, dtype or grid changes, re-initialisation).
 
@@ -199,6 +202,7 @@ class PositionalEncoding(nn.Module):
     changes_head_dim: ClassVar[bool] = False
     requires: ClassVar[FrozenSet[str]] = frozenset()
     name: ClassVar[str] = ''
+    cache_compiled_state: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -213,6 +217,7 @@ class PositionalEncoding(nn.Module):
         self = super().__new__(cls)
         # the constructor's arguments, from which `reset_parameters` builds a fresh twin
         object.__setattr__(self, '_init_args', (args, kwargs))
+        register_compiled(self)
         return self
 
     def __init__(self, ctx: PEContext) -> None:
@@ -279,13 +284,19 @@ class PositionalEncoding(nn.Module):
     def prepared_state(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> Any:
         """`_prepare`'s state for these positions, cached in eval mode under ``no_grad`` (not while
         traced; inference-mode state apart) while the positions and parameters are unchanged."""
-        cacheable = not self.training and not torch.is_grad_enabled() and not is_tracing()
-        if not cacheable:
+        eval_no_grad = not self.training and not torch.is_grad_enabled()
+        if eval_no_grad and self.cache_compiled_state and torch.compiler.is_compiling() \
+                and not torch.compiler.is_exporting():
+            return compiled_eval_state(self, pos_q, pos_k)
+        if not eval_no_grad or is_tracing():
             return self._full_precision_prepare(pos_q, pos_k)
-        versions = tuple(p._version for p in self.parameters()) + (torch.is_inference_mode_enabled(),)
+        # the tensors themselves (kept, so their ids stay theirs) and their versions: in-place updates and
+        # tensors swapped in (`torch.func.functional_call`) both rebuild
+        tensors = tuple(self.parameters()) + tuple(self.buffers())
+        versions = (tensors, tuple(t._version for t in tensors), torch.is_inference_mode_enabled())
         if self._state_cache is not None:
             cq, ck, cv, state = self._state_cache
-            if cv == versions and cq.same_as(pos_q) and (
+            if _same_tensors(cv, versions) and cq.same_as(pos_q) and (
                     (ck is None and pos_k is None) or (ck is not None and pos_k is not None and ck.same_as(pos_k))):
                 return state
         state = self._full_precision_prepare(pos_q, pos_k)
@@ -662,6 +673,11 @@ class PreparedPE:
     def __repr__(self) -> str:
         return (f'PreparedPE({self.encoding.name or type(self.encoding).__name__}, {self.pos_q.num_tokens} '
                 f'queries' + ('' if self.pos_k is None else f', {self.pos_k.num_tokens} keys') + ')')
+
+
+def _same_tensors(a: tuple, b: tuple) -> bool:
+    """Whether two (tensors, versions, inference mode) keys of the eval cache name the same tensors unchanged."""
+    return (len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0]))) and a[1:] == b[1:]
 
 
 T = TypeVar('T')

@@ -43,6 +43,7 @@ class _ComRoPE(RotationPE):
     """
     larger_input = 'interpolate'
     paper = 'Yu et al., CVPR 2025 (ComRoPE), arXiv:2506.03737'
+    cache_compiled_state = True  # eval rotations are exponentials: costly to rebuild in every compiled forward
 
     def __init__(
             self,

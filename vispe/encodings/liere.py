@@ -68,6 +68,7 @@ class LieRE(RotationPE):
     larger_input = 'extrapolate'
     shift_invariant = False
     paper = 'Ostmeier et al., ICML 2025 (LieRE), arXiv:2406.10322'
+    cache_compiled_state = True  # eval rotations are exponentials: costly to rebuild in every compiled forward
 
     def __init__(
             self,
