@@ -123,6 +123,20 @@ def test_eval_cache_equals_recomputation_and_tracks_parameters():
     assert pe.prepare(pos).state is not pe.prepare(pos).state  # no cache in training
 
 
+def test_eval_cache_keeps_the_two_most_recent_position_sets():
+    pe = vispe.create_pe('liere', dim=32, num_heads=2, depth=2, grid_size=(4, 4)).eval()
+    a, b, c = vispe.grid(4, 4), vispe.grid(2, 2), vispe.grid(3, 5)
+    with torch.no_grad():
+        sa, sb = pe.prepare(a).state, pe.prepare(b).state
+        assert pe.prepare(vispe.grid(4, 4)).state is sa and pe.prepare(vispe.grid(2, 2)).state is sb
+        pe.prepare(a)  # a is now the most recent: c evicts b
+        pe.prepare(c)
+        assert pe.prepare(vispe.grid(4, 4)).state is sa
+        assert pe.prepare(vispe.grid(2, 2)).state is not sb
+        pe.clear_cache()
+        assert pe.prepare(a).state is not sa
+
+
 # ------------------------------------------------------------------ attention dispatch
 @pytest.mark.parametrize('pe', image_pes())
 def test_sdpa_path_equals_explicit_softmax(pe):

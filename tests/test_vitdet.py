@@ -46,6 +46,21 @@ def test_window_attention_equals_global_attention_masked_to_windows(pe):
         torch.testing.assert_close(bb.forward_features(x), _masked_global_reference(bb, x, 3), rtol=1e-5, atol=1e-5)
 
 
+def test_an_eval_forward_reuses_the_global_and_the_windowed_state():
+    """Eval keeps both preparations of a forward (whole grid, windows): a second forward builds none
+    and gives the same maps."""
+    bb = _backbone('liere', window_size=3, global_blocks=[1], depth=2)
+    built = []
+    build = bb.pe._full_precision_prepare
+    bb.pe._full_precision_prepare = lambda *a: built.append(a) or build(*a)
+    x = torch.randn(1, 3, 64, 112)
+    with torch.no_grad():
+        first = bb.forward_features(x)
+        assert len(built) == 2
+        torch.testing.assert_close(bb.forward_features(x), first, rtol=0, atol=0)
+    assert len(built) == 2
+
+
 def _image_encodings():
     return [n for n in vispe.list_pes() if not vispe.pe_info(n)['cls'].requires]  # cameras: no image host
 

@@ -36,6 +36,7 @@ __all__ = ['PEContext', 'PositionalEncoding', 'ComposedPE', 'PreparedPE', 'Capab
 HOOKS = ('embed', 'between_blocks', 'qk', 'bias', 'value', 'output', 'weights_value')
 ATTENTION_HOOKS = frozenset({'qk', 'bias', 'value', 'output', 'weights_value'})
 _PAIR_TERMS = frozenset({'bias', 'weights_value'})  # a term per query-key pair: no mask-free SDPA
+STATE_CACHE_SIZE = 2  # eval states kept per encoding (position sets of one forward)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ class PositionalEncoding(nn.Module):
     State that depends only on positions and parameters is built in `_prepare` once per forward
     and shared by all layers; `prepare` wraps it in a `PreparedPE` and caches it in eval mode under
     ``no_grad`` while the positions and the parameters and buffers (the same tensors, unchanged) are
-    the same (inference-mode state apart). Traced, nothing is cached; but a compiled eval forward of an
+    the same (inference-mode state apart), for the two most recent position sets (a host may prepare
+    two per forward: ViTDet's whole grid and its windows). Traced, nothing is cached; but a compiled eval forward of an
     encoding with ``cache_compiled_state`` (a state costly to build) takes it from this cache when the
     graph runs (`vispe._compiled_state`). Tensors an encoding reuses across forwards (tables per grid, bucket
     ids) go through its `tensor_cache`; both caches are cleared together by `clear_cache` (mode,
@@ -223,7 +225,7 @@ class PositionalEncoding(nn.Module):
     def __init__(self, ctx: PEContext) -> None:
         super().__init__()
         self.ctx = ctx
-        self._state_cache: Optional[Tuple[Positions, Optional[Positions], tuple, Any]] = None
+        self._state_cache: List[Tuple[Positions, Optional[Positions], tuple, Any]] = []  # most recent last
         self.tensor_cache = TensorCache()
 
     # ----------------------------------------------------------------- description
@@ -283,7 +285,8 @@ class PositionalEncoding(nn.Module):
 
     def prepared_state(self, pos_q: Positions, pos_k: Optional[Positions] = None) -> Any:
         """`_prepare`'s state for these positions, cached in eval mode under ``no_grad`` (not while
-        traced; inference-mode state apart) while the positions and parameters are unchanged."""
+        traced; inference-mode state apart) while the positions and parameters are unchanged, for the
+        `STATE_CACHE_SIZE` most recently used position sets."""
         eval_no_grad = not self.training and not torch.is_grad_enabled()
         if eval_no_grad and self.cache_compiled_state and torch.compiler.is_compiling() \
                 and not torch.compiler.is_exporting():
@@ -294,13 +297,15 @@ class PositionalEncoding(nn.Module):
         # tensors swapped in (`torch.func.functional_call`) both rebuild
         tensors = tuple(self.parameters()) + tuple(self.buffers())
         versions = (tensors, tuple(t._version for t in tensors), torch.is_inference_mode_enabled())
-        if self._state_cache is not None:
-            cq, ck, cv, state = self._state_cache
+        for i, (cq, ck, cv, state) in enumerate(self._state_cache):
             if _same_tensors(cv, versions) and cq.same_as(pos_q) and (
                     (ck is None and pos_k is None) or (ck is not None and pos_k is not None and ck.same_as(pos_k))):
+                self._state_cache.append(self._state_cache.pop(i))
                 return state
         state = self._full_precision_prepare(pos_q, pos_k)
-        self._state_cache = (pos_q, pos_k, versions, state)
+        # a few entries, most recently used kept: hosts that prepare two position sets per forward (ViTDet's
+        # global and windowed blocks) would otherwise evict one with the other and rebuild both every time
+        self._state_cache = (self._state_cache + [(pos_q, pos_k, versions, state)])[-STATE_CACHE_SIZE:]
         return state
 
     def _full_precision_prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Any:
@@ -314,7 +319,7 @@ class PositionalEncoding(nn.Module):
 
     def clear_cache(self) -> None:
         """Forget the cached state and tensors (they depend on the mode, device, dtype, grid and values)."""
-        self._state_cache = None
+        self._state_cache = []
         self.tensor_cache.clear()
 
     def train(self, mode: bool = True) -> 'PositionalEncoding':
