@@ -42,10 +42,20 @@ def _floor(requirements, name: str) -> str:
 
 
 def floors() -> dict:
-    """The lowest timm (core dependency) and transformers (extra ``vlm``) that pyproject declares."""
+    """The lowest timm (core dependency), transformers and diffusers (their extras) that pyproject declares."""
     project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+    extras = project['optional-dependencies']
     return dict(timm=_floor(project['dependencies'], 'timm'),
-                transformers=_floor(project['optional-dependencies']['vlm'], 'transformers'))
+                transformers=_floor(extras['transformers'], 'transformers'),
+                diffusers=_floor(extras['diffusers'], 'diffusers'))
+
+
+def _ceiling(requirements, name: str) -> str:
+    for req in requirements:
+        m = re.fullmatch(rf'{name}\s*>=\s*[0-9.]+\s*,\s*<\s*([0-9.]+)', req.strip())
+        if m:
+            return m.group(1)
+    raise AssertionError(f'pyproject declares no upper bound for {name} in {requirements}')
 
 
 def _pip(*args: str) -> None:
@@ -79,9 +89,16 @@ def _run(target: Path, *args: str, timeout: int = 600) -> subprocess.CompletedPr
                           timeout=timeout)
 
 
-def test_the_declared_floors_are_what_vispe_checks():
-    from vispe import _timm
-    assert floors()['timm'] == _timm.SUPPORTED[0]
+def test_the_declared_ranges_are_what_vispe_checks():
+    """pyproject's ranges and the one table every version gate reads (vispe.extras.SUPPORTED) agree."""
+    from vispe.extras import SUPPORTED
+    project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+    extras = project['optional-dependencies']
+    declared = dict(timm=project['dependencies'], transformers=extras['transformers'], diffusers=extras['diffusers'],
+                    open_clip=[r.replace('open_clip_torch', 'open_clip') for r in extras['open_clip']])
+    for name, requirements in declared.items():
+        floor = _floor(requirements, name)
+        assert (floor, _ceiling(requirements, name)) == SUPPORTED[name], name
 
 
 def test_zoo_contract_naflex_and_multimodal_pass_with_the_lowest_timm_and_transformers(lowest):

@@ -75,7 +75,7 @@ def test_core_imports_and_each_optional_import_names_its_extra():
         'digits': 'the digits data set needs scikit-learn, which is not installed: pip install "vispe[digits]" '
                   '(or pip install scikit-learn)',
         'open_clip': 'vispe.integrations.open_clip needs open_clip_torch, which is not installed: '
-                     'pip install "vispe[open_clip]" (or pip install open_clip_torch)',
-        'hf_detr': 'patch_detr needs transformers, which is not installed: pip install "vispe[detection]" '
+                     'pip install "vispe[open_clip]" (or pip install "open_clip_torch>=3.3,<4")',
+        'hf_detr': 'patch_detr needs transformers, which is not installed: pip install "vispe[transformers]" '
                    '(or pip install "transformers>=5.25,<6")',
     }

@@ -1,6 +1,8 @@
 """patch_detr on tiny transformers DETR-family models built from configs: parity with each model's own
 encoding first (logits and boxes of a padded batch), then padding invariance of the transformer part,
 masks, exact removal, isolation between instances, training, and the refusals."""
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ from torch import nn
 
 transformers = pytest.importorskip('transformers')
 
+from vispe.extras import UnsupportedVersionError  # noqa: E402
 from vispe.integrations import patch_detr, transformers_detr  # noqa: E402
 
 # a padded batch: image 0 fills the 64 x 96 canvas, image 1 is 40 x 64 (feature map 3 x 4 of 4 x 6 at stride 16)
@@ -339,6 +342,7 @@ def test_unsupported_models_versions_encodings_and_double_patching_are_refused(m
             patch_detr(model, 'irpe')
         with pytest.raises(ValueError, match='not inputs_embeds'):
             model.model(inputs_embeds=torch.randn(2, 12, 32))
-    monkeypatch.setattr(transformers_detr, '_installed_transformers', lambda: '4.57.1')
-    with pytest.raises(RuntimeError, match='transformers >= 5.25, < 6.*found transformers 4.57.1'):
+    monkeypatch.setattr(sys.modules['transformers'], '__version__', '4.57.1')  # the module transformers left there
+    with pytest.raises(UnsupportedVersionError,
+                       match=r'transformers >= 5.25, < 6; transformers 4.57.1 is installed: pip install "vispe\[transformers\]"'):
         patch_detr(model)

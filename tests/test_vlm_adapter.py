@@ -1,6 +1,7 @@
 """patch_vlm on tiny transformers Qwen-VL models built from configs: parity with the model's own encoding
 first (logits and generated tokens), then every scheme in every family, exact removal, isolation between
 instances, explicit position ids, and the refusals."""
+import sys
 import types
 
 import pytest
@@ -206,8 +207,9 @@ def test_unsupported_models_and_versions_are_refused(monkeypatch):
         patch_vlm(model, rule='6.x')
     with pytest.raises(ValueError, match="scheme 'videorope' accepts options"):
         patch_vlm(model, 'videorope', stride=3)
-    monkeypatch.setattr(transformers_vlm, '_installed_transformers', lambda: '4.57.1')
-    with pytest.raises(RuntimeError, match=r'transformers >= 5.25, < 6.*found transformers 4.57.1'):
+    monkeypatch.setattr(sys.modules['transformers'], '__version__', '4.57.1')  # the module transformers left there
+    with pytest.raises(ImportError, match=r'patch_vlm supports transformers >= 5.25, < 6; transformers 4.57.1 is '
+                                          r'installed: pip install "vispe\[transformers\]"'):
         patch_vlm(model)
 
 

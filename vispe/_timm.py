@@ -7,26 +7,18 @@ timm against `SUPPORTED` and fails with the range otherwise.
 """
 from __future__ import annotations
 
-import re
-from typing import Tuple
-
 import timm
 
-SUPPORTED = ('1.0.31', '1.1')  # lowest tested, first unsupported
+from .extras import SUPPORTED as _SUPPORTED, check_version as _check_version
+
+SUPPORTED = _SUPPORTED['timm']
 """The timm versions vispe supports: ``SUPPORTED[0] <= version < SUPPORTED[1]`` (the lowest is tested in CI)."""
 
 
-def _version(text: str) -> Tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r'\d+', text.split('+')[0])[:3])
-
-
 def check_version(version: str = timm.__version__) -> None:
-    """Raise ImportError naming the supported range when ``version`` (default: the installed timm) is
-    outside it."""
-    low, high = SUPPORTED
-    if not _version(low) <= _version(version) < _version(high):
-        raise ImportError(f'vispe supports timm >= {low}, < {high}; timm {version} is installed '
-                          f'(pip install "timm>={low},<{high}")')
+    """Raise `vispe.extras.UnsupportedVersionError` (an ImportError) naming the supported range when
+    ``version`` (default: the installed timm) is outside it."""
+    _check_version('timm', version, 'vispe')
 
 
 check_version()

@@ -166,7 +166,8 @@ def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None,
 
     Args:
         model: the timm model (on any device, the meta device included).
-        pe: encoding spec (``'rope_mixed'``, ``'irpe+learned'``, ``timm_pe_spec(model)``, ...).
+        pe: encoding spec (``'rope_mixed'``, ``'irpe+learned'``, ...); None: the model's own encoding
+            (`timm_pe_spec`), computed by vispe (outputs equal timm's); ``'none'``: no encoding (NoPE).
         name: the model's name for error messages (default: its pretrained config's architecture).
         loaded_grid: the token grid of the checkpoint the model's table was loaded from; when it is
             not the model's, timm's loader resampled the table, and the report says so.
@@ -182,6 +183,8 @@ def convert(model: nn.Module, pe: PESpec, *, name: Optional[str] = None,
     """
     label = _model_name(model, name)
     _check_convertible(model, label)
+    if pe is None:
+        pe = timm_pe_spec(model)
     report = install_pe(model, pe, label=label, loaded_grid=loaded_grid, **options)
     model.__class__ = _HOSTS[type(model)]
     model.pretrained_report = report

@@ -1,7 +1,10 @@
 """Adapters that put vispe's encodings into models of other libraries, one model instance at a time.
 
-Each adapter imports its library lazily (``import vispe`` never needs it), patches one instance, and
-returns a handle whose ``remove()`` restores that instance exactly.
+Every adapter goes through one mechanism (`vispe.integrations.base`): it imports its library lazily and
+checks the version (`vispe.extras.SUPPORTED`), patches one instance, refuses a second patch anywhere in
+the same module tree, and returns a `ModelPatch` handle whose ``remove()`` restores the instance exactly.
+A patched model deep-copies and pickles. ``pe=None`` is the model's own encoding, computed by vispe;
+``'none'`` is the NoPE baseline.
 
 * `patch_vlm` (`vispe.integrations.transformers_vlm`): the multimodal RoPE of transformers' Qwen2-VL,
   Qwen2.5-VL and Qwen3-VL (and Qwen3-VL-MoE) models.
@@ -9,7 +12,11 @@ returns a handle whose ``remove()`` restores that instance exactly.
   DETR, Deformable DETR and RT-DETR (v1, v2) models, each padded image at its own grid's positions.
 * `use_pe` (`vispe.integrations.open_clip`): any encoding in an open_clip CLIP model's timm image tower.
 """
+from .base import AlreadyPatchedError, ModelPatch, UnsupportedModelError, find_patch
+from .open_clip import OpenClipPE, use_pe
 from .transformers_detr import DetrPatch, patch_detr
 from .transformers_vlm import SUPPORTED_MODEL_TYPES, SUPPORTED_TRANSFORMERS, VLMPatch, patch_vlm
 
-__all__ = ['patch_vlm', 'VLMPatch', 'patch_detr', 'DetrPatch', 'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS']
+__all__ = ['ModelPatch', 'AlreadyPatchedError', 'UnsupportedModelError', 'find_patch',
+           'patch_vlm', 'VLMPatch', 'patch_detr', 'DetrPatch', 'use_pe', 'OpenClipPE',
+           'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS']

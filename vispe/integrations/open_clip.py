@@ -20,39 +20,30 @@ from typing import Any
 
 from torch import nn
 
-from ..extras import require
+from ..extras import SUPPORTED as _SUPPORTED, require
 from ..registry import PESpec
+from .base import ModelPatch, UnsupportedModelError, refuse_patched
 
 __all__ = ['use_pe', 'OpenClipPE', 'SUPPORTED']
 
-SUPPORTED = ('3.3', '4')  # open_clip_torch: lowest tested, first unsupported
+SUPPORTED = _SUPPORTED['open_clip']  # open_clip_torch: lowest tested, first unsupported
 
 
-def _version(text: str) -> tuple:
-    import re
-    return tuple(int(p) for p in re.findall(r'\d+', text.split('+')[0])[:3])
-
-
-def _open_clip():
-    open_clip = require('open_clip', 'vispe.integrations.open_clip')
-    low, high = SUPPORTED
-    if not _version(low) <= _version(open_clip.__version__) < _version(high):
-        raise ImportError(f'vispe.integrations.open_clip supports open_clip_torch >= {low}, < {high}; '
-                          f'{open_clip.__version__} is installed')
-    return open_clip
-
-
-class OpenClipPE:
+class OpenClipPE(ModelPatch):
     """What `use_pe` did to one CLIP model: ``tower`` is the vispe image trunk now in place;
     ``remove()`` puts the original timm trunk back (the same module object, untouched)."""
+    adapter = 'use_pe'
 
-    def __init__(self, visual: nn.Module, original: nn.Module) -> None:
-        self.visual, self.original, self.tower = visual, original, visual.trunk
+    def __init__(self, model: nn.Module, visual: nn.Module, tower: nn.Module) -> None:
+        super().__init__(model)
+        self.visual, self.tower = visual, tower
+        self.set(visual, 'trunk', tower, 'visual')
+        self.activate()
 
     def remove(self) -> None:
-        if self.visual.trunk is not self.tower:
+        if self.active and self.visual.trunk is not self.tower:
             raise RuntimeError('the image trunk was replaced since use_pe; remove() would discard that change')
-        self.visual.trunk = self.original
+        super().remove()
 
 
 def _make_dynamic(trunk: nn.Module) -> None:
@@ -66,14 +57,14 @@ def _make_dynamic(trunk: nn.Module) -> None:
     trunk.dynamic_img_size = True
 
 
-def use_pe(model: nn.Module, pe: PESpec, *, dynamic_img_size: bool = True, **options: Any) -> OpenClipPE:
+def use_pe(model: nn.Module, pe: PESpec = None, *, dynamic_img_size: bool = True, **options: Any) -> OpenClipPE:
     """Give the timm image tower of an open_clip model the encoding ``pe``.
 
     Args:
         model: an open_clip ``CLIP`` / ``CustomTextCLIP`` whose ``visual`` is open_clip's ``TimmModel``
             (a ``timm_model_name`` config) around a timm ``VisionTransformer`` or ``Eva``.
-        pe: encoding spec (``'rope_mixed'``, ``'liere'``, ``vispe.timm_pe_spec(model.visual.trunk)`` for the
-            tower's own encoding, ...).
+        pe: encoding spec (``'rope_mixed'``, ``'liere'``, ...); None: the tower's own encoding
+            (``vispe.timm_pe_spec(model.visual.trunk)``), computed by vispe; ``'none'``: no encoding.
         dynamic_img_size: let the tower take any image size the patch divides (default on; open_clip's
             preprocessing still resizes to ``model.visual.image_size`` unless given another size).
         options: options of a single encoding, as in `vispe.convert`.
@@ -82,21 +73,22 @@ def use_pe(model: nn.Module, pe: PESpec, *, dynamic_img_size: bool = True, **opt
         An `OpenClipPE` handle: ``.tower`` (the vispe trunk) and ``.remove()``.
 
     Raises:
-        TypeError: ``model`` is not an open_clip model with a timm image tower (open_clip's own
-            ``VisionTransformer`` towers are not timm models: build the model from a config with
-            ``timm_model_name``).
+        vispe.integrations.UnsupportedModelError: ``model`` is not an open_clip model with a timm image
+            tower (open_clip's own ``VisionTransformer`` towers are not timm models: build the model from
+            a config with ``timm_model_name``); a TypeError.
+        vispe.integrations.AlreadyPatchedError: the model (or a module of it) is already patched.
+        vispe.extras.UnsupportedVersionError: an open_clip_torch outside the supported range.
         ValueError: a trunk vispe cannot host, or an encoding that cannot apply to it (`vispe.convert`).
     """
-    open_clip = _open_clip()
+    open_clip = require('open_clip', 'vispe.integrations.open_clip')
     from ..zoo import convert
     visual = getattr(model, 'visual', None)
     if not isinstance(visual, open_clip.timm_model.TimmModel):
-        raise TypeError(f'use_pe takes an open_clip model whose image tower is a timm model (open_clip TimmModel, '
+        raise UnsupportedModelError(f'use_pe takes an open_clip model whose image tower is a timm model (open_clip TimmModel, '
                         f'built from a config with vision_cfg.timm_model_name); got visual='
                         f'{type(visual).__name__ if visual is not None else None}')
-    original = visual.trunk
-    trunk = convert(copy.deepcopy(original), pe, **options)
+    refuse_patched(model, 'use_pe')
+    trunk = convert(copy.deepcopy(visual.trunk), pe, **options)
     if dynamic_img_size:
         _make_dynamic(trunk)
-    visual.trunk = trunk
-    return OpenClipPE(visual, original)
+    return OpenClipPE(model, visual, trunk)

@@ -57,7 +57,7 @@ the model's own row and column tables.
 """
 from __future__ import annotations
 
-import importlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -68,17 +68,16 @@ from ..attention import pe_attention
 from ..contract import PEContext, PositionalEncoding, PreparedPE
 from ..positions import Positions, grid, pack_padded_grid, points
 from ..positions.padding import PaddedGrid
+from ..extras import SUPPORTED, require
 from ..registry import PESpec, create_pe
-from .transformers_vlm import _version_tuple
-from ._instance import InstancePatch
+from .base import ModelPatch, UnsupportedModelError, refuse_patched
 
 __all__ = ['patch_detr', 'DetrPatch', 'DetrPositionTable', 'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS',
            'CROSS_PE']
 
 Tensor = torch.Tensor
 
-# transformers versions this adapter is written and tested against: [low, high)
-SUPPORTED_TRANSFORMERS = ('5.25', '6')
+SUPPORTED_TRANSFORMERS = SUPPORTED['transformers']  # [low, high): what this adapter is written and tested against
 CROSS_PE = ('auto', 'keys', 'additive', 'none')
 
 
@@ -105,32 +104,16 @@ SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 _CLASS_SUFFIXES = ('ForObjectDetection', 'Model')
 
 
-def _installed_transformers() -> str:
-    try:
-        return importlib.import_module('transformers').__version__
-    except ImportError as e:
-        raise ImportError('patch_detr needs transformers, which is not installed: pip install "vispe[detection]" '
-                          '(or pip install "transformers>=5.25,<6")') from e
-
-
-def _check_transformers() -> str:
-    v = _installed_transformers()
-    lo, hi = SUPPORTED_TRANSFORMERS
-    if not _version_tuple(lo) <= _version_tuple(v) < _version_tuple(hi):
-        raise RuntimeError(f'patch_detr supports transformers >= {lo}, < {hi} (the 5.x DETR-family modules: '
-                           f'position_embedding, q/k/v/o_proj attentions, AIFI layers); found transformers {v}')
-    return v
-
-
 def _parts(model: nn.Module) -> Tuple[nn.Module, str]:
     """(inner model holding backbone / encoder / decoder, model_type)."""
     model_type = getattr(getattr(model, 'config', None), 'model_type', None)
     name = type(model).__name__
     if model_type not in _FAMILIES:
-        raise TypeError(f'patch_detr supports transformers models of type {", ".join(SUPPORTED_MODEL_TYPES)} '
-                        f'(their *ForObjectDetection and *Model classes), got {name} (model_type={model_type!r})')
+        raise UnsupportedModelError(
+            f'patch_detr supports transformers models of type {", ".join(SUPPORTED_MODEL_TYPES)} (their '
+            f'*ForObjectDetection and *Model classes), got {name} (model_type={model_type!r})')
     if not name.endswith(_CLASS_SUFFIXES):
-        raise TypeError(f'patch_detr supports the *ForObjectDetection and *Model classes of {model_type}, got {name}')
+        raise UnsupportedModelError(f'patch_detr supports the *ForObjectDetection and *Model classes of {model_type}, got {name}')
     inner = model.model if name.endswith('ForObjectDetection') else model
     family = _FAMILIES[model_type]
     needed = {'attention': ('backbone', 'position_embedding', 'encoder', 'decoder'),
@@ -138,8 +121,9 @@ def _parts(model: nn.Module) -> Tuple[nn.Module, str]:
               'aifi': ('backbone', 'encoder')}[family.encoder]
     for attr in needed:
         if not isinstance(getattr(inner, attr, None), nn.Module):
-            raise TypeError(f'{type(inner).__name__} has no {attr!r} module: not the transformers '
-                            f'>= {SUPPORTED_TRANSFORMERS[0]}, < {SUPPORTED_TRANSFORMERS[1]} {family.label} layout')
+            raise UnsupportedModelError(
+                f'{type(inner).__name__} has no {attr!r} module: not the transformers >= {SUPPORTED_TRANSFORMERS[0]}, '
+                f'< {SUPPORTED_TRANSFORMERS[1]} {family.label} layout')
     return inner, model_type
 
 
@@ -217,42 +201,6 @@ def _heads(module: nn.Module, proj: nn.Module, x: Tensor) -> Tensor:
     return proj(x).unflatten(-1, (-1, module.head_dim)).transpose(1, 2)
 
 
-def _self_attention(module: nn.Module, layer: int, plan: Callable[[], _Plan], additive: bool) -> Callable[..., Any]:
-    """A bound-forward replacement for a DETR / RT-DETR self-attention over image tokens; ``additive``: the
-    encoding has an additive part (else ``position_embeddings`` are the table's zeros, not added)."""
-    def forward(hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
-                position_embeddings: Optional[Tensor] = None, **kwargs: Any) -> Tuple[Tensor, None]:
-        p = plan()
-        add = additive and position_embeddings is not None
-        qk_in = hidden_states + position_embeddings if add else hidden_states
-        x, qk_in = p.order(hidden_states), p.order(qk_in)
-        q, k, v = (_heads(module, module.q_proj, qk_in), _heads(module, module.k_proj, qk_in),
-                   _heads(module, module.v_proj, x))
-        o = pe_attention(q, k, v, p.prepared, layer, x=x, attn_mask=p.mask, scale=module.scaling,
-                         dropout_p=module.attention_dropout if module.training else 0.0)
-        return module.o_proj(p.restore(o.transpose(1, 2).flatten(2))), None
-    return forward
-
-
-def _cross_attention(module: nn.Module, layer: int, plan: Callable[[int], _Plan], keys_additive: bool
-                     ) -> Callable[..., Any]:
-    """A bound-forward replacement for DETR's decoder cross-attention (object queries to image tokens)."""
-    def forward(hidden_states: Tensor, key_value_states: Tensor, attention_mask: Optional[Tensor] = None,
-                position_embeddings: Optional[Tensor] = None, encoder_position_embeddings: Optional[Tensor] = None,
-                **kwargs: Any) -> Tuple[Tensor, None]:
-        p = plan(hidden_states.shape[1])
-        q_in = hidden_states if position_embeddings is None else hidden_states + position_embeddings
-        kv = p.order(key_value_states)
-        k_in = kv + p.order(encoder_position_embeddings) if keys_additive and encoder_position_embeddings is not None \
-            else kv
-        q, k, v = (_heads(module, module.q_proj, q_in), _heads(module, module.k_proj, k_in),
-                   _heads(module, module.v_proj, kv))
-        o = pe_attention(q, k, v, p.prepared, layer, x=hidden_states, attn_mask=p.mask, scale=module.scaling,
-                         dropout_p=module.attention_dropout if module.training else 0.0)
-        return module.o_proj(o.transpose(1, 2).flatten(2)), None
-    return forward
-
-
 class DetrPositionTable(nn.Module):
     """The model's ``position_embedding`` under a vispe encoding: ``(shape, device, dtype, mask) -> (B, C, H, W)``.
 
@@ -279,15 +227,20 @@ class DetrPositionTable(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------- the handle
-class DetrPatch(InstancePatch):
+class DetrPatch(ModelPatch):
     """What `patch_detr` did to one model instance; ``remove()`` (or leaving a ``with`` block) undoes it.
+
+    The feature map of a forward (its grid and padding) is known only once transformers calls the
+    position table, whose call carries no keyword arguments to thread it to the attentions: it is held
+    on the handle for the length of one forward (set by the table, cleared by a forward hook on the
+    inner model that runs also when the forward raises), never between forwards.
 
     Attributes:
         encoding: the vispe encoding (also ``<model>.vispe_pe``); ``family``: the model family's name;
         cross_pe: the resolved ``cross_pe``; cross_hooks: whether cross-attention runs the encoding's
         attention-side hooks; replaced: ``(owner, attribute)`` of everything replaced, for the record.
     """
-    marker = '_vispe_detr_patch'
+    adapter = 'patch_detr'
 
     def __init__(self, model: nn.Module, inner: nn.Module, family: _Family, encoding: PositionalEncoding,
                  cross_pe: str, cross_hooks: bool, grid_size: Tuple[int, int], dim: int) -> None:
@@ -369,72 +322,110 @@ class DetrPatch(InstancePatch):
         """Forward hook of RT-DETR's backbone: the feature-map masks it computes and drops."""
         self._level_masks = [mask for _, mask in out]
 
-    def _between_blocks_hook(self, index: int) -> Callable[..., Tensor]:
-        def hook(module: nn.Module, args: Any, out: Tensor) -> Tensor:
-            self._encoder_plan()
-            return self._canvas.between_blocks(self.encoding, out, index)
-        return hook
+    def _between_blocks(self, index: int, module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        """Forward hook of encoder layer ``index``: encodings acting between blocks (PEG)."""
+        self._encoder_plan()
+        return self._canvas.between_blocks(self.encoding, out, index)
 
-    def _aifi_forward(self, aifi: nn.Module, level: int, offset: int) -> Callable[..., Tensor]:
-        """A bound-forward replacement for an RT-DETR AIFI layer: its encoder layers under the encoding."""
-        def forward(hidden_states: Tensor, **kwargs: Any) -> Tensor:
-            b, c, h, w = hidden_states.shape
-            masks = self._level_masks
-            real = masks[level] if masks is not None and level < len(masks) else None
-            if real is not None and tuple(real.shape) != (b, h, w):
-                raise ValueError(f'RT-DETR feature level {level} is {(h, w)} but its mask is {tuple(real.shape[1:])}')
-            canvas = _Canvas(b, h, w, real, self.grid_size, hidden_states.device)
-            enc, caps = self.encoding, self.encoding.capabilities
-            x = hidden_states.flatten(2).transpose(1, 2)
-            packed = canvas.packed is not None
-            if packed:
-                x = canvas.packed.pack(x)
-            emb = enc.embedding(canvas.positions).to(x.dtype) if caps.additive else None
-            prepared = enc.prepare(canvas.positions) if caps.in_attention else None
-            # the tokens are packed here once, so the attentions take them in the order they come
-            self._aifi = _Plan(prepared, canvas.mask(packed=True), canvas.num_tokens)
-            try:
-                for j, layer in enumerate(aifi.layers):
-                    x = layer(x, attention_mask=self._aifi.mask, spatial_position_embeddings=emb, **kwargs)
-                    if caps.between_blocks:
-                        x = enc.between_blocks(x, canvas.positions, offset + j)
-            finally:
-                self._aifi = None
-            if packed:
-                x = canvas.packed.unpack(x)
-            return x.transpose(1, 2).reshape(b, c, h, w).contiguous()
-        return forward
+    def _end_forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        """Forward hook of the inner model (also on error): nothing of this forward stays on the handle."""
+        self._clear()
+
+    def _attention(self, module: nn.Module, layer: int, plan_of: str, additive: bool, hidden_states: Tensor,
+                   attention_mask: Optional[Tensor] = None, position_embeddings: Optional[Tensor] = None,
+                   **kwargs: Any) -> Tuple[Tensor, None]:
+        """The forward of a DETR / RT-DETR self-attention over image tokens (``module``): its q/k/v projections,
+        then `vispe.pe_attention` with the plan ``plan_of`` (``'encoder'`` or ``'aifi'``); ``additive``: the
+        encoding has an additive part (else ``position_embeddings`` are the table's zeros, not added)."""
+        p = self._encoder_plan() if plan_of == 'encoder' else self._aifi_plan()
+        add = additive and position_embeddings is not None
+        qk_in = hidden_states + position_embeddings if add else hidden_states
+        x, qk_in = p.order(hidden_states), p.order(qk_in)
+        q, k, v = (_heads(module, module.q_proj, qk_in), _heads(module, module.k_proj, qk_in),
+                   _heads(module, module.v_proj, x))
+        o = pe_attention(q, k, v, p.prepared, layer, x=x, attn_mask=p.mask, scale=module.scaling,
+                         dropout_p=module.attention_dropout if module.training else 0.0)
+        return module.o_proj(p.restore(o.transpose(1, 2).flatten(2))), None
+
+    def _cross_attention(self, module: nn.Module, layer: int, keys_additive: bool, hidden_states: Tensor,
+                         key_value_states: Tensor, attention_mask: Optional[Tensor] = None,
+                         position_embeddings: Optional[Tensor] = None,
+                         encoder_position_embeddings: Optional[Tensor] = None, **kwargs: Any) -> Tuple[Tensor, None]:
+        """The forward of DETR's decoder cross-attention ``module`` (object queries to image tokens)."""
+        p = self._cross_plan(hidden_states.shape[1])
+        q_in = hidden_states if position_embeddings is None else hidden_states + position_embeddings
+        kv = p.order(key_value_states)
+        k_in = kv + p.order(encoder_position_embeddings) if keys_additive and encoder_position_embeddings is not None \
+            else kv
+        q, k, v = (_heads(module, module.q_proj, q_in), _heads(module, module.k_proj, k_in),
+                   _heads(module, module.v_proj, kv))
+        o = pe_attention(q, k, v, p.prepared, layer, x=hidden_states, attn_mask=p.mask, scale=module.scaling,
+                         dropout_p=module.attention_dropout if module.training else 0.0)
+        return module.o_proj(o.transpose(1, 2).flatten(2)), None
+
+    def _aifi_forward(self, aifi: nn.Module, level: int, offset: int, hidden_states: Tensor, **kwargs: Any) -> Tensor:
+        """The forward of an RT-DETR AIFI layer ``aifi`` (feature ``level``; its first attention layer is
+        ``offset``): its encoder layers under the encoding."""
+        b, c, h, w = hidden_states.shape
+        masks = self._level_masks
+        real = masks[level] if masks is not None and level < len(masks) else None
+        if real is not None and tuple(real.shape) != (b, h, w):
+            raise ValueError(f'RT-DETR feature level {level} is {(h, w)} but its mask is {tuple(real.shape[1:])}')
+        canvas = _Canvas(b, h, w, real, self.grid_size, hidden_states.device)
+        enc, caps = self.encoding, self.encoding.capabilities
+        x = hidden_states.flatten(2).transpose(1, 2)
+        packed = canvas.packed is not None
+        if packed:
+            x = canvas.packed.pack(x)
+        emb = enc.embedding(canvas.positions).to(x.dtype) if caps.additive else None
+        prepared = enc.prepare(canvas.positions) if caps.in_attention else None
+        # the tokens are packed here once, so the attentions take them in the order they come
+        self._aifi = _Plan(prepared, canvas.mask(packed=True), canvas.num_tokens)
+        try:
+            for j, layer in enumerate(aifi.layers):
+                x = layer(x, attention_mask=self._aifi.mask, spatial_position_embeddings=emb, **kwargs)
+                if caps.between_blocks:
+                    x = enc.between_blocks(x, canvas.positions, offset + j)
+        finally:
+            self._aifi = None
+        if packed:
+            x = canvas.packed.unpack(x)
+        return x.transpose(1, 2).reshape(b, c, h, w).contiguous()
 
     # ------------------------------------------------------------------ install / remove
     def _install(self) -> None:
         inner, fam, caps = self.inner, self.family_spec, self.encoding.capabilities
-        self._set(inner, 'vispe_pe', self.encoding, type(inner).__name__)
-        self._hook(inner.register_forward_pre_hook(self._check_inputs, with_kwargs=True), type(inner).__name__)
+        partial = functools.partial  # forwards and hooks: the handle's methods, never closures (copies, pickles)
+        self.set(inner, 'vispe_pe', self.encoding)
+        self.add_hook(inner, self._check_inputs, 'forward_pre', with_kwargs=True)
+        self.add_hook(inner, self._end_forward, always_call=True)
         if fam.encoder in ('attention', 'deformable'):
-            self._set(inner, 'position_embedding', DetrPositionTable(self), type(inner).__name__)
+            self.set(inner, 'position_embedding', DetrPositionTable(self))
         if fam.encoder == 'attention':
             for i, layer in enumerate(inner.encoder.layers):
-                attn = _self_attention(layer.self_attn, i, self._encoder_plan, caps.additive)
-                self._set(layer.self_attn, 'forward', attn, f'encoder.layers.{i}.self_attn')
+                attn = layer.self_attn
+                self.set(attn, 'forward', partial(self._attention, attn, i, 'encoder', caps.additive),
+                         f'encoder.layers.{i}.self_attn')
                 if caps.between_blocks:
-                    self._hook(layer.register_forward_hook(self._between_blocks_hook(i)), f'encoder.layers.{i}')
+                    self.add_hook(layer, partial(self._between_blocks, i), label=f'encoder.layers.{i}')
         if fam.label == 'DETR':
             offset = len(inner.encoder.layers)
             keys_additive = caps.additive and self.cross_pe in ('keys', 'additive')
             for i, layer in enumerate(inner.decoder.layers):
                 attn = layer.encoder_attn
-                self._set(attn, 'forward', _cross_attention(attn, offset + i, self._cross_plan, keys_additive),
-                          f'decoder.layers.{i}.encoder_attn')
+                self.set(attn, 'forward', partial(self._cross_attention, attn, offset + i, keys_additive),
+                         f'decoder.layers.{i}.encoder_attn')
         if fam.encoder == 'aifi':
-            self._hook(inner.backbone.register_forward_hook(self._keep_level_masks), type(inner.backbone).__name__)
+            self.add_hook(inner.backbone, self._keep_level_masks)
             offset = 0
             for j, (aifi, level) in enumerate(zip(inner.encoder.aifi, inner.encoder.encode_proj_layers)):
-                self._set(aifi, 'forward', self._aifi_forward(aifi, level, offset), f'encoder.aifi.{j}')
+                self.set(aifi, 'forward', partial(self._aifi_forward, aifi, level, offset), f'encoder.aifi.{j}')
                 for i, layer in enumerate(aifi.layers):
-                    attn = _self_attention(layer.self_attn, offset + i, self._aifi_plan, caps.additive)
-                    self._set(layer.self_attn, 'forward', attn, f'encoder.aifi.{j}.layers.{i}.self_attn')
+                    attn = layer.self_attn
+                    self.set(attn, 'forward', partial(self._attention, attn, offset + i, 'aifi', caps.additive),
+                             f'encoder.aifi.{j}.layers.{i}.self_attn')
                 offset += len(aifi.layers)
-        self._activate()
+        self.activate()
 
     def remove(self) -> None:
         """Restore the instance: the original modules and attributes, no hooks, no ``vispe_pe``."""
@@ -506,14 +497,15 @@ def patch_detr(model: nn.Module, pe: Optional[PESpec] = 'rope_mixed', *, cross_p
         options: options of the encoding (override the spec's).
 
     Raises:
-        TypeError: unsupported model class.
-        RuntimeError: unsupported transformers version, or a model already patched.
+        vispe.integrations.UnsupportedModelError: unsupported model class (a TypeError).
+        vispe.extras.UnsupportedVersionError: unsupported transformers version (an ImportError).
+        vispe.integrations.AlreadyPatchedError: the model, a module inside it or a model holding it is
+            already patched (a RuntimeError).
         ValueError: an encoding or ``cross_pe`` the model family cannot take (the error says why).
     """
-    _check_transformers()
+    require('transformers', 'patch_detr')
     inner, model_type = _parts(model)
-    if DetrPatch.of(model) is not None:
-        raise RuntimeError('this model is already patched: call .remove() on its DetrPatch first')
+    refuse_patched(model, 'patch_detr')
     family = _FAMILIES[model_type]
     learned = family.encoder != 'aifi' and getattr(model.config, 'position_embedding_type', None) == 'learned'
     if pe is None:
@@ -522,9 +514,12 @@ def patch_detr(model: nn.Module, pe: Optional[PESpec] = 'rope_mixed', *, cross_p
         raise ValueError(f'cross_pe must be one of {CROSS_PE}, got {cross_pe!r}')
     if cross_pe not in family.cross_pe:
         raise ValueError(f'cross_pe={cross_pe!r} does not apply to {family.label}: {_CROSS_WHY[family.label]}')
-    grid_size = tuple(int(g) for g in grid_size) if grid_size is not None else family.grid_size
-    if len(grid_size) != 2 or min(grid_size) <= 0:
-        raise ValueError(f'grid_size must be two positive integers (h, w), got {grid_size}')
+    if grid_size is None:
+        grid_size = family.grid_size
+    elif not isinstance(grid_size, (tuple, list)) or len(grid_size) != 2 or not all(
+            isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid_size):
+        raise ValueError(f'grid_size must be two positive integers (h, w), got {grid_size!r}')
+    grid_size = tuple(grid_size)
     dim, heads, enc_depth, dec_heads = _host(inner, family, model.config)
     ctx = PEContext(dim=dim, num_heads=heads, depth=enc_depth, grid_size=grid_size)
     caps = create_pe(pe, ctx, device='meta', **options).capabilities
@@ -542,6 +537,10 @@ def patch_detr(model: nn.Module, pe: Optional[PESpec] = 'rope_mixed', *, cross_p
             cross_pe = 'additive' if caps.needs_query_positions else 'keys'
     elif cross_pe == 'auto':
         cross_pe = 'additive' if family.needs_additive else 'none'
+    if cross_pe == 'keys' and caps.needs_query_positions:
+        raise ValueError(f"cross_pe='keys' cannot take encoding {pe!r}: it adds a term per query-key pair (hooks "
+                         f"{sorted(caps.hooks & {'bias', 'weights_value'})}) that needs query positions, and DETR's "
+                         f"object queries have none; use cross_pe='additive' (or 'auto') to keep it in the encoder")
     cross_hooks = cross_pe == 'keys' and caps.in_attention
     if cross_hooks and dec_heads != heads:
         raise ValueError(f"cross_pe='keys' runs the encoding's attention hooks in cross-attention, which has "

@@ -30,7 +30,7 @@ heads (an axis given 0 heads is not encoded); without it `patch_vlm` raises and 
 """
 from __future__ import annotations
 
-import importlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -39,15 +39,15 @@ import torch
 from torch import nn
 
 from .. import multimodal as mm
+from ..extras import SUPPORTED, require
 from ..rotary import apply_pair_rotation
-from ._instance import InstancePatch
+from .base import ModelPatch, UnsupportedModelError, refuse_patched
 
 __all__ = ['patch_vlm', 'VLMPatch', 'VLMRotary', 'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS']
 
 Tensor = torch.Tensor
 
-# transformers versions this adapter is written and tested against: [low, high)
-SUPPORTED_TRANSFORMERS = ('5.25', '6')
+SUPPORTED_TRANSFORMERS = SUPPORTED['transformers']  # [low, high): what this adapter is written and tested against
 
 
 @dataclass(frozen=True)
@@ -72,52 +72,26 @@ _REFUSED = {
 _ROTARY_OPTIONS = ('sections', 'head_sections')
 
 
-def _version_tuple(v: str) -> Tuple[int, ...]:
-    out = []
-    for part in v.split('.')[:3]:
-        digits = ''.join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
-def _installed_transformers() -> str:
-    try:
-        return importlib.import_module('transformers').__version__
-    except ImportError as e:
-        raise ImportError('patch_vlm needs transformers (pip install "transformers>=5.25,<6")') from e
-
-
-def _check_transformers() -> str:
-    v = _installed_transformers()
-    lo, hi = SUPPORTED_TRANSFORMERS
-    if not _version_tuple(lo) <= _version_tuple(v) < _version_tuple(hi):
-        raise RuntimeError(f'patch_vlm supports transformers >= {lo}, < {hi} (the 5.x get_rope_index / '
-                           f'compute_3d_position_ids code path); found transformers {v}')
-    return v
-
-
 def _parts(model: nn.Module) -> Tuple[nn.Module, Optional[nn.Module], str]:
     """(inner model with get_rope_index, outer generation model or None, model_type)."""
     config = getattr(model, 'config', None)
     model_type = getattr(config, 'model_type', None)
     if model_type in _REFUSED or 'Omni' in type(model).__name__:
         why = _REFUSED.get(model_type, 'its get_rope_index is not the Qwen-VL one')
-        raise TypeError(f'patch_vlm does not support {type(model).__name__}: {why}. Supported model types: '
+        raise UnsupportedModelError(f'patch_vlm does not support {type(model).__name__}: {why}. Supported model types: '
                         f'{", ".join(SUPPORTED_MODEL_TYPES)} (their *ForConditionalGeneration and *Model classes)')
     if model_type not in _FAMILIES:
-        raise TypeError(f'patch_vlm supports transformers models of type {", ".join(SUPPORTED_MODEL_TYPES)} '
+        raise UnsupportedModelError(f'patch_vlm supports transformers models of type {", ".join(SUPPORTED_MODEL_TYPES)} '
                         f'(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE; *ForConditionalGeneration or *Model), '
                         f'got {type(model).__name__} (model_type={model_type!r})')
     inner = model.model if hasattr(model, 'model') and hasattr(model.model, 'get_rope_index') else model
     outer = model if inner is not model else None
     for attr in ('get_rope_index', 'compute_3d_position_ids', 'language_model', 'rope_deltas'):
         if not hasattr(inner, attr):
-            raise TypeError(f'{type(inner).__name__} has no {attr!r}: not the transformers '
+            raise UnsupportedModelError(f'{type(inner).__name__} has no {attr!r}: not the transformers '
                             f'>= {SUPPORTED_TRANSFORMERS[0]}, < {SUPPORTED_TRANSFORMERS[1]} Qwen-VL layout')
     if not isinstance(getattr(inner.language_model, 'rotary_emb', None), nn.Module):
-        raise TypeError(f'{type(inner.language_model).__name__} has no rotary_emb module')
+        raise UnsupportedModelError(f'{type(inner.language_model).__name__} has no rotary_emb module')
     return inner, outer, model_type
 
 
@@ -169,24 +143,23 @@ class VLMRotary(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
-def _head_hook(rotary: VLMRotary, head_dim: int):
-    """A forward hook rotating a q or k projection output head-wise by ``rotary.heads``."""
-    def hook(module: nn.Module, args: Any, out: Tensor) -> Tensor:
-        cos, sin = rotary.heads
-        x = out if out.dim() == 4 else out.unflatten(-1, (-1, head_dim))  # (B, N, H, hd)
-        y = apply_pair_rotation(x, mm.rotary_table(cos, sin, x, unsqueeze_dim=2), 'half')
-        return y if out.dim() == 4 else y.flatten(-2)
-    return hook
+def _rotate_heads(rotary: VLMRotary, head_dim: int, module: nn.Module, args: Any, out: Tensor) -> Tensor:
+    """A forward hook (bound to ``rotary`` and ``head_dim`` with `functools.partial`) rotating a q or k
+    projection output head-wise by ``rotary.heads``."""
+    cos, sin = rotary.heads
+    x = out if out.dim() == 4 else out.unflatten(-1, (-1, head_dim))  # (B, N, H, hd)
+    y = apply_pair_rotation(x, mm.rotary_table(cos, sin, x, unsqueeze_dim=2), 'half')
+    return y if out.dim() == 4 else y.flatten(-2)
 
 
-class VLMPatch(InstancePatch):
+class VLMPatch(ModelPatch):
     """What `patch_vlm` did to one model instance; ``remove()`` (or leaving a ``with`` block) undoes it.
 
     Attributes:
         scheme: the `vispe.multimodal.Scheme` in use; ``rotary``: the `VLMRotary` module installed.
         replaced: ``(owner, attribute name)`` of everything replaced, for the record.
     """
-    marker = '_vispe_vlm_patch'
+    adapter = 'patch_vlm'
 
     def __init__(self, model: nn.Module, inner: nn.Module, family: _Family, scheme: mm.Scheme,
                  rotary: VLMRotary, rule: str) -> None:
@@ -268,16 +241,16 @@ class VLMPatch(InstancePatch):
     def _install(self, attn_modules: List[Tuple[str, nn.Module]], head_dim: int) -> None:
         inner = self.inner
         self._saved_rope_deltas = inner.rope_deltas
-        self._set(inner, 'get_rope_index', self.rope_index, type(inner).__name__)
-        self._set(inner, 'compute_3d_position_ids', self.compute_3d_position_ids, type(inner).__name__)
-        self._set(inner.language_model, 'rotary_emb', self.rotary, type(inner.language_model).__name__)
+        self.set(inner, 'get_rope_index', self.rope_index)
+        self.set(inner, 'compute_3d_position_ids', self.compute_3d_position_ids)
+        self.set(inner.language_model, 'rotary_emb', self.rotary)
         if self.rotary.rotary.mode == 'heads':
-            hook = _head_hook(self.rotary, head_dim)
+            hook = functools.partial(_rotate_heads, self.rotary, head_dim)
             for name, attn in attn_modules:
                 q, k = ('q_norm', 'k_norm') if hasattr(attn, 'q_norm') else ('q_proj', 'k_proj')
                 for part in (q, k):
-                    self._hook(getattr(attn, part).register_forward_hook(hook), f'{name}.{part}', 'forward hook')
-        self._activate()
+                    self.add_hook(getattr(attn, part), hook, label=f'{name}.{part}')
+        self.activate()
 
     def remove(self) -> None:
         """Restore the instance: the original attributes and modules, no hooks, the old ``rope_deltas``."""
@@ -320,15 +293,16 @@ def patch_vlm(model: nn.Module, scheme: Union[None, str, mm.Scheme] = None, *, r
             axis) go to the rotary.
 
     Raises:
-        TypeError: unsupported model class.
-        RuntimeError: unsupported transformers version, or a model already patched.
+        vispe.integrations.UnsupportedModelError: unsupported model class (a TypeError).
+        vispe.extras.UnsupportedVersionError: unsupported transformers version (an ImportError).
+        vispe.integrations.AlreadyPatchedError: the model, a module inside it or a model holding it is
+            already patched (a RuntimeError).
         ValueError: bad scheme or options, or MHRoPE on fewer than 3 key/value heads without
             ``head_sections``.
     """
-    _check_transformers()
+    require('transformers', 'patch_vlm')
     inner, outer, model_type = _parts(model)
-    if VLMPatch.of(model) is not None:
-        raise RuntimeError('this model is already patched: call .remove() on its VLMPatch first')
+    refuse_patched(model, 'patch_vlm')
     if rule is None:
         rule = '5.x'
     if rule not in mm.RULES:
