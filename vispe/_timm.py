@@ -1,9 +1,13 @@
-"""timm's internals, in one place: everything vispe takes from timm's private modules (registry,
-builder, features, rope helpers), and the check of the supported timm versions.
+"""timm's internals, in one place: what vispe takes from timm's private modules (``timm.models._*``,
+underscore names such as ``_apply_coord_augs``, the registry's entrypoint table) and the check of the
+supported timm versions.
 
-timm's private module names move between releases; every other vispe module imports them from
-here, so a new timm release is adapted to in one file. Importing this module checks the installed
-timm against `SUPPORTED` and fails with the range otherwise.
+Private names move between timm releases; every other vispe module imports them from here, so a new
+timm release is adapted to in one file (tests/test_timm_seam.py checks that no other module imports a
+private name). Public names (``timm.layers``, the model classes and checkpoint filters of
+``timm.models.<model>``) are imported where they are used; the forwards vispe copies from them are
+checked against the installed timm by tests/test_drift.py. Importing this module checks the installed
+timm against `SUPPORTED` (`vispe.extras.check_version`).
 """
 from __future__ import annotations
 

@@ -467,8 +467,9 @@ def _honour_capabilities(hook: str, fn: Callable[..., Any]) -> Callable[..., Any
 def autocast_off(device: torch.device) -> ContextManager:
     """A region without autocast on ``device`` (float32 phases, exponentials, camera geometry), or no
     change where autocast does not exist for the device type (meta tensors)."""
-    # the availability check is a C call that torch.compile of torch 2.11 cannot trace (a graph break under
-    # fullgraph); a compiled graph runs on a real device, where autocast exists
+    # the availability check is a C call that torch.compile of the oldest supported torch (2.11) cannot trace
+    # (a graph break under fullgraph; 2.14 traces it); a compiled graph runs on a real device, where autocast
+    # exists
     if device.type != 'meta' and (torch.compiler.is_compiling() or torch.amp.is_autocast_available(device.type)):
         return torch.autocast(device_type=device.type, enabled=False)
     return contextlib.nullcontext()

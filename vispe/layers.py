@@ -3,9 +3,13 @@ hands the prepared encoding (`PreparedPE`) to `vispe.pe_attention`.
 
 Each class subclasses its timm original; a host becomes PE-aware by swapping the ``__class__`` of
 its blocks and attention modules (`BLOCKS`, `ATTENTIONS`), so every weight stays where it was and
-timm checkpoints load unchanged. Every PE-aware attention shares one forward (`_PEOutput`): its own
-q, k, v projections (`_project`), then `pe_attention`, then the module's own output path; blocks take
-``(x, pe=, attn_mask=, is_causal=)`` and pass the prepared encoding to their attention.
+timm checkpoints load unchanged. The forwards are timm's, written again around `pe_attention`, in
+three shapes: the standard attentions share `_PEAttentionForward` (their own q, k, v projections,
+`_project`, then `pe_attention`, then the module's own output path); the differential attentions share
+`_PEDifferential`; the ViT-22B parallel blocks are their own attention. Blocks take
+``(x, pe=, attn_mask=, is_causal=)`` and pass the prepared encoding to their attention. Each copy is
+compared with the installed timm's forward by tests/test_drift.py, which names the copy when timm
+changes.
 
 Kept: ``Attention``, ``EvaAttention`` (fused or separate q/k/v, ``q_bias`` / ``v_bias``),
 ``AttentionRope`` (grouped-query: k and v are repeated to every head before the encoding acts, so
@@ -48,7 +52,7 @@ def _attend(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 # ---------------------------------------------------------------------- attention
-class _PEOutput:
+class _PEAttentionForward:
     """The forward every PE-aware timm attention shares: its own q, k, v (`_project`, after q/k norm),
     `pe_attention` on them, then the module's own output path (scale norm, gate, projection)."""
     layer_index: int = 0
@@ -68,7 +72,7 @@ class _PEOutput:
         return self.proj_drop(self.proj(o))
 
 
-class PEAttention(_PEOutput, Attention):
+class PEAttention(_PEAttentionForward, Attention):
     """timm's `Attention` (same parameters, names and options) with a positional encoding's hooks.
 
     Built directly (an attention layer of your own model) it takes timm's arguments and
@@ -86,7 +90,7 @@ class PEAttention(_PEOutput, Attention):
         return self.q_norm(q), self.k_norm(k), v
 
 
-class PEEvaAttention(_PEOutput, EvaAttention):
+class PEEvaAttention(_PEAttentionForward, EvaAttention):
     """timm's `EvaAttention` (fused qkv with ``q_bias`` / ``v_bias`` and no k bias, or separate
     projections) with the encoding's hooks in place of its rope."""
 
@@ -106,7 +110,7 @@ class PEEvaAttention(_PEOutput, EvaAttention):
         return self.q_norm(q), self.k_norm(k), v
 
 
-class PEAttentionRope(_PEOutput, AttentionRope):
+class PEAttentionRope(_PEAttentionForward, AttentionRope):
     """timm's `AttentionRope` (fused or separate projections, grouped-query heads) with the
     encoding's hooks in place of its rope."""
 

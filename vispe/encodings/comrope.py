@@ -59,16 +59,7 @@ class _ComRoPE(RotationPE):
             time_scale: TimeScale = 'patches',
             ape: bool = False,
     ) -> None:
-        super().__init__(ctx)
-        if normalize not in ('grid', 'train'):
-            raise ValueError(f"option normalize of encoding {self.name!r} must be one of ('grid', 'train'), "
-                             f"got {normalize!r}")
-        if prefix not in ('centre', 'identity'):
-            raise ValueError(f"option prefix of encoding {self.name!r} must be one of ('centre', 'identity'), "
-                             f"got {prefix!r}")
-        if time_scale not in ('patches', 'frames'):
-            raise ValueError(f"option time_scale of encoding {self.name!r} must be one of ('patches', 'frames'), "
-                             f"got {time_scale!r}")
+        super().__init__(ctx)  # Literal options were checked against their values before construction
         check_nonnegative(self.name, 'jitter', jitter)
         check_nonnegative(self.name, 'init_std', init_std)
         self.block = block

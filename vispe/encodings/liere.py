@@ -84,9 +84,6 @@ class LieRE(RotationPE):
         super().__init__(ctx)
         if gd < 2 or gd > ctx.head_dim:
             raise ValueError(f"option gd of encoding 'liere' must be in [2, head_dim={ctx.head_dim}], got {gd}")
-        if positions not in ('linspace', 'index', 'normalized'):
-            raise ValueError(f"option positions of encoding 'liere' must be one of ('linspace', 'index', "
-                             f"'normalized'), got {positions!r}")
         check_nonnegative('liere', 'init_scale', init_scale)
         if init_scale > 1e3:  # angles that wrap thousands of times per patch are noise (and overflow expm)
             raise ValueError(f"option 'init_scale' of encoding 'liere' must be at most 1000, got {init_scale}")

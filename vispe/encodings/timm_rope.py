@@ -95,9 +95,6 @@ class TimmRope(RotationPE):
             rescale_coords: Optional[float] = None,
     ) -> None:
         super().__init__(ctx)
-        if rope_type not in ('cat', 'mixed', 'dinov3', 'mrope'):
-            raise ValueError(f"option 'rope_type' of encoding 'rope_timm' must be one of "
-                             f"('cat', 'mixed', 'dinov3', 'mrope'), got {rope_type!r}")
         if ctx.grid_size is not None and len(ctx.grid_size) != 2:
             raise ValueError(f"encoding 'rope_timm' needs a 2D grid, got grid_size={ctx.grid_size}")
         hd = ctx.head_dim
