@@ -33,6 +33,7 @@ Conventions:
 """
 from __future__ import annotations
 
+import collections.abc
 from collections import OrderedDict
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
@@ -80,7 +81,7 @@ def window_unpartition(x: torch.Tensor, window: Tuple[int, int], padded: Tuple[i
     """The inverse of `window_partition`: ``(B * nW, wh * ww, C)`` -> ``(B, H * W, C)``, padding removed."""
     (wh, ww), (Hp, Wp), (H, W) = window, padded, size
     nh, nw = Hp // wh, Wp // ww
-    x = x.reshape(-1, nh, nw, wh, ww, x.shape[-1]).transpose(2, 3).reshape(-1, Hp, Wp, x.shape[-1])
+    x = x.reshape(x.shape[0] // (nh * nw), nh, nw, wh, ww, x.shape[-1]).transpose(2, 3).reshape(-1, Hp, Wp, x.shape[-1])
     return x[:, :H, :W].reshape(x.shape[0], H * W, x.shape[-1])
 
 
@@ -180,9 +181,11 @@ class ViTDetBackbone(nn.Module):
             training grid of the encoding), ``drop_path_rate``, ...).
 
     Raises:
+        TypeError: ``global_blocks`` that is not a sequence of indices.
         ValueError: an unknown block index, a window size below 1, a video model, model arguments the
-            backbone sets itself; in forward, an input that is not ``(B, 3, H, W)`` or whose sides the
-            patch size does not divide (an image smaller than one patch included).
+            backbone sets itself; in forward, an input that is not ``(B, 3, H, W)``, whose sides the patch
+            size does not divide, or smaller than two patches per side (the stride-32 level pools 2 x 2
+            tokens). An empty batch gives empty maps, as torchvision's backbones.
     """
 
     def __init__(self, model: str = 'vit_base_patch16_224', pe: PESpec = None, *, out_channels: int = 256,
@@ -196,10 +199,18 @@ class ViTDetBackbone(nn.Module):
         if not isinstance(out_channels, int) or out_channels < 1:
             raise ValueError(f'out_channels must be a positive integer, got {out_channels!r}')
         self.trunk = _build_trunk(model, pe, pretrained_file, model_kwargs)
+        if global_blocks is not None and (isinstance(global_blocks, (str, bytes))
+                                          or not isinstance(global_blocks, collections.abc.Iterable)):
+            raise TypeError(f'global_blocks must be a sequence of block indices (ViT-B: [2, 5, 8, 11]) or None '
+                            f'(num_global evenly spaced), got {global_blocks!r}')
+        if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 0:
+            raise ValueError(f'num_global must be a non-negative integer (the number of global blocks), got '
+                             f'{num_global!r}')
         depth = len(self.trunk.blocks)
         if global_blocks is None:
             global_blocks = global_block_indices(depth, min(num_global, depth)) if window_size else range(depth)
-        bad = [i for i in global_blocks if not isinstance(i, int) or not 0 <= i < depth]
+        global_blocks = list(global_blocks)
+        bad = [i for i in global_blocks if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth]
         if bad:
             raise ValueError(f'global_blocks: {bad} are not block indices of the {depth}-block {model} (0..{depth - 1})')
         self.window_size = window_size
@@ -219,9 +230,10 @@ class ViTDetBackbone(nn.Module):
             shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
             raise ValueError(f'ViTDetBackbone takes images (B, C, H, W), got {shape}')
         (h, w), (ph, pw) = x.shape[-2:], self.patch_size
-        if h < ph or w < pw:
-            raise ValueError(f'input size {h}x{w} is smaller than one patch ({ph}x{pw}); pad images to a multiple '
-                             f'of the patch size (torchvision detectors: size_divisible)')
+        if h < 2 * ph or w < 2 * pw:  # the stride-32 level pools 2 x 2 tokens
+            raise ValueError(f'input size {h}x{w} is smaller than the smallest ViTDetBackbone takes, two patches per '
+                             f'side ({2 * ph}x{2 * pw}): the stride-32 level pools 2x2 tokens; pad images to a '
+                             f'multiple of twice the patch size (torchvision detectors: size_divisible={2 * ph})')
         if h % ph or w % pw:
             raise ValueError(f'input size {h}x{w} is not divisible by the patch size {ph}x{pw}; pad images to a '
                              f'multiple of it (torchvision detectors: size_divisible={2 * ph})')
@@ -245,12 +257,14 @@ class ViTDetBackbone(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The last block's tokens as a map ``(B, C, H / patch, W / patch)``."""
         grid = self._check_input(x)
+        if x.shape[0] == 0:  # no images: empty maps of the right shapes, as torchvision's backbones give
+            return x.new_zeros(0, self.embed_dim, *grid)
         trunk = self.trunk
         tokens = trunk.patch_embed(x)  # (B, h, w, C): the trunk is built with dynamic_img_size
         B, C = tokens.shape[0], tokens.shape[-1]
         pos = vispe.grid(*grid, train_grid=tuple(trunk.patch_embed.grid_size), device=x.device)
         pe = trunk.pe.prepare(pos)
-        tokens = trunk.norm_pre(trunk.pos_drop(pe.embed(tokens.reshape(B, -1, C))))
+        tokens = trunk.norm_pre(trunk.pos_drop(pe.embed(tokens.reshape(B, grid[0] * grid[1], C))))
         windowed = None
         if len(self.global_blocks) < len(trunk.blocks):
             window = (min(self.window_size, grid[0]), min(self.window_size, grid[1]))

@@ -189,9 +189,10 @@ def test_torchvision_detectors_train_and_evaluate_at_two_sizes(detector):
 
 
 # ---------------------------------------------------------------------- bad input
-def test_an_image_smaller_than_one_patch_is_refused_by_the_backbone_and_padded_by_the_detector():
+def test_an_image_smaller_than_two_patches_is_refused_by_the_backbone_and_padded_by_the_detector():
     bb = _backbone('learned', window_size=2)
-    with pytest.raises(ValueError, match=r'input size 8x40 is smaller than one patch \(16x16\)'):
+    with pytest.raises(ValueError, match=r'input size 8x40 is smaller than the smallest ViTDetBackbone takes, two '
+                                         r'patches per side \(32x32\)'):
         bb(torch.randn(1, 3, 8, 40))
     with pytest.raises(ValueError, match=r'input size 40x48 is not divisible by the patch size 16x16'):
         bb(torch.randn(1, 3, 40, 48))
