@@ -219,6 +219,12 @@ def test_an_image_padded_in_a_batch_gets_its_maps_alone_given_the_sizes(pe):
     assert (shared['2'][1, :, :3, :5] - alone['2'][0]).abs().max() > 1e-2  # the shared canvas: other maps
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('pe', _image_encodings())
+def test_an_image_padded_in_a_batch_gets_its_maps_alone_for_every_image_encoding(pe):
+    test_an_image_padded_in_a_batch_gets_its_maps_alone_given_the_sizes(pe)
+
+
 def test_the_detector_hands_each_image_size_to_the_backbone():
     """torchvision's detector calls its backbone with the padded tensor alone; vitdet_detector's transform
     records each image's size on it, so the backbone sees an image batched with a larger one as alone."""
