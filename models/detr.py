@@ -16,11 +16,12 @@ Where positions enter (this is what vispe makes swappable, ``pe=``):
   object queries *without* positions. ``'additive'`` adds the additive part to the keys' input
   (DETR's arrangement); ``'keys'`` additionally runs the attention-side hooks with the queries
   placed at position zero (``pe.prepare(zeros, grid)``): a rotary encoding then rotates the
-  keys only (``R(0) = I`` on the queries), a relative bias sees the offsets ``0 - p_j``;
-  ``'none'`` gives cross-attention no positions (DETR's ablation). ``'auto'`` (default) is
-  ``'keys'`` unless the encoding has a logit bias (iRPE, ...), which needs query positions to be
-  meaningful (``capabilities.needs_query_positions``) and so stays in encoder self-attention, as in
-  the iRPE paper's DETR experiments.
+  keys only (``R(0) = I`` on the queries); ``'none'`` gives cross-attention no positions (DETR's
+  ablation). An encoding with a logit bias (iRPE, ``swin_rpb``, ...) needs query positions
+  (``capabilities.needs_query_positions``), which object queries do not have: ``'keys'`` refuses it
+  when the model is built, and ``'auto'`` (default), which is ``'keys'`` otherwise, keeps it to
+  encoder self-attention (``'additive'``), as in the iRPE paper's DETR experiments. The policy is
+  `vispe.cross_attention.check_cross_pe`.
 * the padding mask reaches every encoding through ``Positions.key_padding_mask`` and masks the
   padded keys of every attention (as a boolean ``attn_mask``).
 
@@ -42,6 +43,7 @@ from torchvision.ops import box_convert, generalized_box_iou
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 import vispe
+from vispe.cross_attention import CrossPE, check_cross_pe
 from vispe.extras import require
 
 __all__ = ['DETR', 'Backbone', 'Transformer', 'HungarianMatcher', 'SetCriterion', 'postprocess', 'pad_images',
@@ -50,7 +52,6 @@ __all__ = ['DETR', 'Backbone', 'Transformer', 'HungarianMatcher', 'SetCriterion'
 _logger = logging.getLogger(__name__)
 
 _RESNET_CHANNELS = {'resnet18': 512, 'resnet34': 512, 'resnet50': 2048, 'resnet101': 2048, 'resnet152': 2048}
-CrossPE = Literal['auto', 'keys', 'additive', 'none']
 
 
 # ----------------------------------------------------------------------------------------- backbone
@@ -238,6 +239,8 @@ class MLP(nn.Module):
 def pad_images(images: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pad ``(3, H_i, W_i)`` images at the bottom / right to one batch; mask True on padding (DETR's
     ``nested_tensor_from_tensor_list``)."""
+    if len(images) == 0:
+        raise ValueError('images is an empty list: a batch needs at least one (3, H, W) image')
     h = max(im.shape[-2] for im in images)
     w = max(im.shape[-1] for im in images)
     batch = images[0].new_zeros(len(images), images[0].shape[0], h, w)
@@ -261,7 +264,8 @@ class DETR(nn.Module):
         backbone: torchvision ResNet name.
         pe: vispe encoding spec for the encoder (see the module docstring), e.g. ``'detr_sine'``,
             ``'irpe:on=k'``, ``'rope_axial'``, ``'detr_sine+irpe:on=k'``.
-        cross_pe: positions in decoder cross-attention: ``'auto'``, ``'keys'``, ``'additive'``, ``'none'``.
+        cross_pe: positions in decoder cross-attention: ``'auto'``, ``'keys'``, ``'additive'``, ``'none'``
+            (`vispe.cross_attention.check_cross_pe`; ``'keys'`` refuses an encoding with a logit bias).
         hidden_dim: transformer width (256).
         num_heads: attention heads (8).
         enc_layers: encoder layers (6).
@@ -301,8 +305,16 @@ class DETR(nn.Module):
         super().__init__()
         if num_classes <= 0:
             raise ValueError(f'num_classes must be positive, got {num_classes}')
-        if cross_pe not in ('auto', 'keys', 'additive', 'none'):
-            raise ValueError(f"cross_pe must be one of 'auto', 'keys', 'additive', 'none', got {cross_pe!r}")
+        # what the encoding does decides how many attention layers it serves; read from a build on the
+        # meta device (nothing allocated, initialised or drawn from the random state) before anything is
+        # built, then the encoding is built once for real
+        ctx = vispe.PEContext(dim=hidden_dim, num_heads=num_heads, depth=enc_layers, grid_size=grid_size)
+        caps = vispe.create_pe(pe, ctx, device='meta').capabilities
+        if caps.requires:
+            raise ValueError(f"pe={pe!r} reads the positions' {', '.join(sorted(caps.requires))}, which DETR's images "
+                             f"do not have; choose an image encoding (vispe.list_pes())")
+        self.cross_pe = check_cross_pe(caps, cross_pe, encoding=vispe.format_pe_spec(pe))
+        self.cross_hooks = self.cross_pe == 'keys' and caps.in_attention
         self.num_classes = num_classes
         self.num_queries = num_queries
         self.aux_loss = aux_loss
@@ -313,17 +325,6 @@ class DETR(nn.Module):
         self.class_embed = nn.Linear(hidden_dim, num_classes + 1)
         self.bbox_embed = MLP(hidden_dim, hidden_dim, 4, 3)
 
-        # what the encoding does decides how many attention layers it serves; read from a build on the
-        # meta device (nothing allocated or initialised), then the encoding is built once for real
-        ctx = vispe.PEContext(dim=hidden_dim, num_heads=num_heads, depth=enc_layers, grid_size=grid_size)
-        caps = vispe.create_pe(pe, ctx, device='meta').capabilities
-        if caps.requires:
-            raise ValueError(f"pe={pe!r} reads the positions' {', '.join(sorted(caps.requires))}, which DETR's images "
-                             f"do not have; choose an image encoding (vispe.list_pes())")
-        if cross_pe == 'auto':
-            cross_pe = 'additive' if caps.needs_query_positions else 'keys'
-        self.cross_pe = cross_pe
-        self.cross_hooks = cross_pe == 'keys' and caps.in_attention
         # cross-attention layers get their own per-layer parameters after the encoder's
         depth = enc_layers + dec_layers if self.cross_hooks else enc_layers
         self.pe = vispe.create_pe(pe, ctx, depth=depth)
@@ -360,8 +361,9 @@ class DETR(nn.Module):
             if mask is not None:
                 raise ValueError('mask is for a padded batch of images; a list of images is padded (and masked) here')
             images, mask = pad_images(images)
-        if images.dim() != 4:
-            raise ValueError(f'images must be (B, 3, H, W) or a list of (3, H, W), got {tuple(images.shape)}')
+        if images.dim() != 4 or images.shape[0] == 0:
+            raise ValueError(f'images must be (B, 3, H, W) with B >= 1 or a non-empty list of (3, H, W), got '
+                             f'{tuple(images.shape)}')
         if mask is None:
             mask = torch.zeros(images.shape[0], *images.shape[-2:], dtype=torch.bool, device=images.device)
         elif not torch.is_tensor(mask) or mask.dtype != torch.bool:

@@ -227,7 +227,7 @@ class NeRF(nn.Module):
         dirs = viewdirs[:, None, :].expand_as(points)
         flat_p, flat_d = points.reshape(-1, 3), dirs.reshape(-1, 3)
         rgbs, sigmas = [], []
-        for start in range(0, flat_p.shape[0], self.chunk):
+        for start in range(0, max(flat_p.shape[0], 1), self.chunk):  # no points: one empty chunk
             p, d = flat_p[start:start + self.chunk], flat_d[start:start + self.chunk]
             rgb, sigma = field(self.pos_encoder(p), self.dir_encoder(d) if self.dir_encoder is not None else None)
             rgbs.append(rgb)
@@ -246,10 +246,20 @@ class NeRF(nn.Module):
 
     def forward(self, rays_o: torch.Tensor, rays_d: torch.Tensor, near: float = 2.0, far: float = 6.0
                 ) -> Dict[str, torch.Tensor]:
-        """Render ``(R, 3)`` rays between ``near`` and ``far``."""
-        if rays_o.shape != rays_d.shape or rays_o.shape[-1] != 3:
-            raise ValueError(f'rays_o and rays_d must both be (R, 3), got {tuple(rays_o.shape)} and '
-                             f'{tuple(rays_d.shape)}')
+        """Render rays ``(..., 3)`` between ``near`` and ``far``: any leading dims (``(R, 3)``, an image's
+        ``(H, W, 3)``, a batch ``(B, R, 3)``, none at all), which the outputs keep (``rgb`` ``(..., 3)``,
+        ``depth`` / ``acc`` ``(...)``); no rays give empty outputs."""
+        if not (torch.is_tensor(rays_o) and torch.is_tensor(rays_d)) or rays_o.shape != rays_d.shape \
+                or rays_o.dim() == 0 or rays_o.shape[-1] != 3:
+            shapes = [tuple(r.shape) if torch.is_tensor(r) else type(r).__name__ for r in (rays_o, rays_d)]
+            raise ValueError(f'rays_o and rays_d must be tensors of one shape (..., 3) (origins and directions), '
+                             f'got {shapes[0]} and {shapes[1]}')
+        lead = rays_o.shape[:-1]
+        out = self._forward(rays_o.reshape(-1, 3), rays_d.reshape(-1, 3), near, far)
+        return {k: v.reshape(lead + v.shape[1:]) for k, v in out.items()}
+
+    def _forward(self, rays_o: torch.Tensor, rays_d: torch.Tensor, near: float, far: float
+                 ) -> Dict[str, torch.Tensor]:
         viewdirs = F.normalize(rays_d, dim=-1)
         t = torch.linspace(0.0, 1.0, self.num_coarse, device=rays_o.device, dtype=rays_o.dtype)
         z_vals = (near * (1.0 - t) + far * t).expand(rays_o.shape[0], -1)

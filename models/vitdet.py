@@ -33,6 +33,7 @@ Conventions:
 """
 from __future__ import annotations
 
+import collections.abc
 from collections import OrderedDict
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
@@ -42,15 +43,17 @@ import torch.nn.functional as F
 from timm.layers import LayerNorm2d
 from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 import vispe
 from vispe.registry import PESpec
 
-__all__ = ['ViTDetBackbone', 'SimpleFeaturePyramid', 'vitdet_detector', 'KeepSizeTransform', 'global_block_indices',
-           'window_partition', 'window_unpartition']
+__all__ = ['ViTDetBackbone', 'SimpleFeaturePyramid', 'vitdet_detector', 'ImageSizesTransform', 'KeepSizeTransform',
+           'global_block_indices', 'window_partition', 'window_unpartition']
 
 DETECTORS = ('faster_rcnn', 'mask_rcnn', 'retinanet')
+IMAGE_SIZES_ATTR = 'vispe_image_sizes'  # where `ImageSizesTransform` leaves the sizes on the batch tensor
 
 
 def global_block_indices(depth: int, num_global: int) -> List[int]:
@@ -80,8 +83,18 @@ def window_unpartition(x: torch.Tensor, window: Tuple[int, int], padded: Tuple[i
     """The inverse of `window_partition`: ``(B * nW, wh * ww, C)`` -> ``(B, H * W, C)``, padding removed."""
     (wh, ww), (Hp, Wp), (H, W) = window, padded, size
     nh, nw = Hp // wh, Wp // ww
-    x = x.reshape(-1, nh, nw, wh, ww, x.shape[-1]).transpose(2, 3).reshape(-1, Hp, Wp, x.shape[-1])
+    x = x.reshape(x.shape[0] // (nh * nw), nh, nw, wh, ww, x.shape[-1]).transpose(2, 3).reshape(-1, Hp, Wp, x.shape[-1])
     return x[:, :H, :W].reshape(x.shape[0], H * W, x.shape[-1])
+
+
+def _extent_mask(extents: Sequence[Tuple[int, int]], scale: float, like: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, H, W)`` mask (``like``'s dtype) that is 1 on each image's region ``int(h_b * scale) x
+    int(w_b * scale)`` at the top left of ``like`` ``(B, C, H, W)``."""
+    rows = torch.arange(like.shape[-2], device=like.device)
+    cols = torch.arange(like.shape[-1], device=like.device)
+    size = torch.tensor([[int(h * scale), int(w * scale)] for h, w in extents], device=like.device)
+    inside = (rows[None, :, None] < size[:, 0, None, None]) & (cols[None, None, :] < size[:, 1, None, None])
+    return inside[:, None].to(like.dtype)
 
 
 class SimpleFeaturePyramid(nn.Module):
@@ -121,9 +134,24 @@ class SimpleFeaturePyramid(nn.Module):
             if isinstance(m, nn.Conv2d):  # detectron2's c2_xavier_fill, as ViTDet's pyramid convolutions
                 nn.init.kaiming_uniform_(m.weight, a=1)
 
-    def forward(self, x: torch.Tensor) -> 'OrderedDict[str, torch.Tensor]':
-        """``x`` ``(B, in_dim, h, w)`` at stride 16 -> ``{'0': stride 4, '1': 8, '2': 16, '3': 32[, 'pool': 64]}``."""
-        out = OrderedDict((str(i), stage(x)) for i, stage in enumerate(self.stages))
+    def forward(self, x: torch.Tensor, extents: Optional[Sequence[Tuple[int, int]]] = None
+                ) -> 'OrderedDict[str, torch.Tensor]':
+        """``x`` ``(B, in_dim, h, w)`` at stride 16 -> ``{'0': stride 4, '1': 8, '2': 16, '3': 32[, 'pool': 64]}``.
+
+        ``extents``: each image's ``(h_b, w_b)`` at the top left of a padded map; the rest of its map is
+        zeroed before every 3x3 convolution (the only layer that mixes neighbouring positions, the
+        pooling aside, which stays inside an even extent), so on its region each level equals the
+        image's own maps alone: the zero padding a convolution sees at the image's border."""
+        if extents is None:
+            out = OrderedDict((str(i), stage(x)) for i, stage in enumerate(self.stages))
+        else:
+            out = OrderedDict()
+            for i, (scale, stage) in enumerate(zip(self.scale_factors, self.stages)):
+                y = x
+                for layer in stage[:-2]:
+                    y = layer(y)
+                y = y * _extent_mask(extents, scale, y)
+                out[str(i)] = stage[-1](stage[-2](y))
         if self.top_block:
             out['pool'] = F.max_pool2d(out['3'], kernel_size=1, stride=2)
         return out
@@ -180,9 +208,11 @@ class ViTDetBackbone(nn.Module):
             training grid of the encoding), ``drop_path_rate``, ...).
 
     Raises:
+        TypeError: ``global_blocks`` that is not a sequence of indices.
         ValueError: an unknown block index, a window size below 1, a video model, model arguments the
-            backbone sets itself; in forward, an input that is not ``(B, 3, H, W)`` or whose sides the
-            patch size does not divide (an image smaller than one patch included).
+            backbone sets itself; in forward, an input that is not ``(B, 3, H, W)``, whose sides the patch
+            size does not divide, or smaller than two patches per side (the stride-32 level pools 2 x 2
+            tokens). An empty batch gives empty maps, as torchvision's backbones.
     """
 
     def __init__(self, model: str = 'vit_base_patch16_224', pe: PESpec = None, *, out_channels: int = 256,
@@ -196,10 +226,18 @@ class ViTDetBackbone(nn.Module):
         if not isinstance(out_channels, int) or out_channels < 1:
             raise ValueError(f'out_channels must be a positive integer, got {out_channels!r}')
         self.trunk = _build_trunk(model, pe, pretrained_file, model_kwargs)
+        if global_blocks is not None and (isinstance(global_blocks, (str, bytes))
+                                          or not isinstance(global_blocks, collections.abc.Iterable)):
+            raise TypeError(f'global_blocks must be a sequence of block indices (ViT-B: [2, 5, 8, 11]) or None '
+                            f'(num_global evenly spaced), got {global_blocks!r}')
+        if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 0:
+            raise ValueError(f'num_global must be a non-negative integer (the number of global blocks), got '
+                             f'{num_global!r}')
         depth = len(self.trunk.blocks)
         if global_blocks is None:
             global_blocks = global_block_indices(depth, min(num_global, depth)) if window_size else range(depth)
-        bad = [i for i in global_blocks if not isinstance(i, int) or not 0 <= i < depth]
+        global_blocks = list(global_blocks)
+        bad = [i for i in global_blocks if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth]
         if bad:
             raise ValueError(f'global_blocks: {bad} are not block indices of the {depth}-block {model} (0..{depth - 1})')
         self.window_size = window_size
@@ -219,61 +257,158 @@ class ViTDetBackbone(nn.Module):
             shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
             raise ValueError(f'ViTDetBackbone takes images (B, C, H, W), got {shape}')
         (h, w), (ph, pw) = x.shape[-2:], self.patch_size
-        if h < ph or w < pw:
-            raise ValueError(f'input size {h}x{w} is smaller than one patch ({ph}x{pw}); pad images to a multiple '
-                             f'of the patch size (torchvision detectors: size_divisible)')
+        if h < 2 * ph or w < 2 * pw:  # the stride-32 level pools 2 x 2 tokens
+            raise ValueError(f'input size {h}x{w} is smaller than the smallest ViTDetBackbone takes, two patches per '
+                             f'side ({2 * ph}x{2 * pw}): the stride-32 level pools 2x2 tokens; pad images to a '
+                             f'multiple of twice the patch size (torchvision detectors: size_divisible={2 * ph})')
         if h % ph or w % pw:
             raise ValueError(f'input size {h}x{w} is not divisible by the patch size {ph}x{pw}; pad images to a '
                              f'multiple of it (torchvision detectors: size_divisible={2 * ph})')
         return h // ph, w // pw
 
-    def _window_encoding(self, pe: vispe.PreparedPE, grid: Tuple[int, int], window: Tuple[int, int], batch: int
+    def _token_extents(self, image_sizes: Optional[Sequence[Sequence[int]]], batch: int, grid: Tuple[int, int]
+                       ) -> Optional[Tuple[Tuple[int, int], ...]]:
+        """Each image's token grid ``(ceil(h / patch), ceil(w / patch))`` from its size in pixels; None
+        when there are no sizes or every image fills the whole input."""
+        if image_sizes is None:
+            return None
+        (ph, pw), canvas = self.patch_size, (grid[0] * self.patch_size[0], grid[1] * self.patch_size[1])
+        sizes = list(image_sizes) if isinstance(image_sizes, collections.abc.Iterable) else None
+        if sizes is None or len(sizes) != batch or not all(
+                isinstance(hw, collections.abc.Sequence) and len(hw) == 2 and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in hw) for hw in sizes):
+            raise ValueError(f'image_sizes must be one (h, w) of integer pixels per image of the batch ({batch}), '
+                             f'got {image_sizes!r}')
+        sizes = [(int(h), int(w)) for h, w in sizes]
+        bad = [hw for hw in sizes if not (0 < hw[0] <= canvas[0] and 0 < hw[1] <= canvas[1])]
+        if bad:
+            raise ValueError(f'image_sizes {bad} do not fit the input {canvas[0]}x{canvas[1]} (each image at its top '
+                             f'left, padded at the bottom and right)')
+        extents = tuple((-(-h // ph), -(-w // pw)) for h, w in sizes)
+        return None if all(e == grid for e in extents) else extents
+
+    def _window_encoding(self, pe: vispe.PreparedPE, grid: Tuple[int, int], window: Tuple[int, int], batch: int,
+                         packed: Optional[vispe.positions.PaddedGrid]
                          ) -> Tuple[vispe.PreparedPE, Optional[torch.Tensor]]:
         """The encoding prepared for the tokens of each window (their grid positions) and the mask of
-        real keys ``(B * nW, 1, 1, wh * ww)`` (None when no window is padded)."""
+        real keys ``(B * nW, 1, 1, wh * ww)`` (None when no window is padded). With ``packed`` (images of
+        their own sizes in a padded batch, ``pe`` prepared on their own grids) a window's keys are the
+        tokens of its image only."""
         device = pe.pos_q.coords.device
         index = torch.arange(grid[0] * grid[1], device=device).reshape(1, *grid)
         keep, _ = window_partition(index, window)  # padded slots index token 0: masked as keys, dropped as queries
         real, _ = window_partition(torch.ones(1, *grid, dtype=torch.bool, device=device), window)
-        keep, real = keep.repeat(batch, 1), real.repeat(batch, 1)
-        padded = not bool(real.all())
-        pos = pe.pos_q.select(keep)
-        if padded:
-            pos = pos.replace(key_padding_mask=~real)
-        return pe.encoding.prepare(pos), (real[:, None, None, :] if padded else None)
+        if packed is None:
+            keep, real = keep.repeat(batch, 1), real.repeat(batch, 1)
+            padded = not bool(real.all())
+            pos = pe.pos_q.select(keep)
+            if padded:
+                pos = pos.replace(key_padding_mask=~real)
+            return pe.encoding.prepare(pos), (real[:, None, None, :] if padded else None)
+        num_windows, size = keep.shape
+        # each window slot's token in the packed order of its image, then one row per (image, window)
+        own = pe.pos_q.select(packed.inverse.gather(1, keep.reshape(1, -1).expand(batch, -1)))
+        pad = own.key_padding_mask.reshape(batch * num_windows, size) | ~real.repeat(batch, 1)
+        # a window outside its image holds padding only: its queries (dropped) attend to all its slots, so
+        # that no softmax row is empty (NaN would reach the real tokens as masked values times 0)
+        pad = pad & ~pad.all(1, keepdim=True)
+        pos = own.replace(coords=own.coords.reshape(batch * num_windows, size, -1), key_padding_mask=pad,
+                          selected_from=tuple(g for g in own.selected_from for _ in range(num_windows)))
+        return pe.encoding.prepare(pos), ~pad[:, None, None, :]
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The last block's tokens as a map ``(B, C, H / patch, W / patch)``."""
+    def forward_features(self, x: torch.Tensor, image_sizes: Optional[Sequence[Sequence[int]]] = None
+                         ) -> torch.Tensor:
+        """The last block's tokens as a map ``(B, C, H / patch, W / patch)`` (``image_sizes``: see `forward`)."""
         grid = self._check_input(x)
+        return self._trunk(x, grid, self._token_extents(image_sizes, x.shape[0], grid))
+
+    def _trunk(self, x: torch.Tensor, grid: Tuple[int, int], extents: Optional[Tuple[Tuple[int, int], ...]]
+               ) -> torch.Tensor:
+        if x.shape[0] == 0:  # no images: empty maps of the right shapes, as torchvision's backbones give
+            return x.new_zeros(0, self.embed_dim, *grid)
         trunk = self.trunk
         tokens = trunk.patch_embed(x)  # (B, h, w, C): the trunk is built with dynamic_img_size
         B, C = tokens.shape[0], tokens.shape[-1]
+        tokens = tokens.reshape(B, grid[0] * grid[1], C)
         pos = vispe.grid(*grid, train_grid=tuple(trunk.patch_embed.grid_size), device=x.device)
+        packed, attn_mask = None, None
+        if extents is not None:
+            # each image on its own grid (the NaFlex layout: its tokens first, in its raster order), its
+            # padding masked as keys everywhere; windows are cut from the canvas order
+            pad = torch.ones(B, *grid, dtype=torch.bool, device=x.device)
+            for b, (h, w) in enumerate(extents):
+                pad[b, :h, :w] = False
+            packed = vispe.positions.pack_padded_grid(pos.replace(key_padding_mask=pad.flatten(1)))
+            pos, tokens = packed.positions, packed.pack(tokens)
+            attn_mask = ~pos.key_padding_mask[:, None, None, :]
         pe = trunk.pe.prepare(pos)
-        tokens = trunk.norm_pre(trunk.pos_drop(pe.embed(tokens.reshape(B, -1, C))))
+        tokens = trunk.norm_pre(trunk.pos_drop(pe.embed(tokens)))
         windowed = None
         if len(self.global_blocks) < len(trunk.blocks):
             window = (min(self.window_size, grid[0]), min(self.window_size, grid[1]))
-            windowed = (window, *self._window_encoding(pe, grid, window, B))
+            windowed = (window, *self._window_encoding(pe, grid, window, B, packed))
         for i, block in enumerate(trunk.blocks):
             if i in self.global_blocks:
-                tokens = block(tokens, pe=pe)
+                tokens = block(tokens, pe=pe, attn_mask=attn_mask)
             else:
                 window, window_pe, mask = windowed
-                parts, padded = window_partition(tokens.reshape(B, *grid, C), window)
-                tokens = window_unpartition(block(parts, pe=window_pe, attn_mask=mask), window, padded, grid)
+                canvas = tokens if packed is None else packed.unpack(tokens)
+                parts, padded = window_partition(canvas.reshape(B, *grid, C), window)
+                canvas = window_unpartition(block(parts, pe=window_pe, attn_mask=mask), window, padded, grid)
+                tokens = canvas if packed is None else packed.pack(canvas)
             tokens = pe.between_blocks(tokens, i)
+        if packed is not None:
+            tokens = packed.unpack(tokens)
         return tokens.transpose(1, 2).reshape(B, C, *grid)
 
-    def forward(self, x: torch.Tensor) -> 'OrderedDict[str, torch.Tensor]':
-        """Images ``(B, 3, H, W)`` -> the pyramid's maps (see the class docstring)."""
-        return self.pyramid(self.forward_features(x))
+    def forward(self, x: torch.Tensor, image_sizes: Optional[Sequence[Sequence[int]]] = None
+                ) -> 'OrderedDict[str, torch.Tensor]':
+        """Images ``(B, 3, H, W)`` -> the pyramid's maps (see the class docstring).
+
+        ``image_sizes``: each image's ``(h, w)`` in pixels at the top left of a batch padded at the
+        bottom and right (torchvision's ``ImageList.image_sizes``; default: the sizes `ImageSizesTransform`
+        recorded on ``x``, else every image fills ``x``). Each image then runs on its own grid of
+        ``ceil(h / patch) x ceil(w / patch)`` tokens (positions, windows, attention to its own tokens only)
+        and on that region its maps equal those of the image alone cropped to whole patches."""
+        if image_sizes is None:
+            image_sizes = getattr(x, IMAGE_SIZES_ATTR, None)
+        grid = self._check_input(x)
+        extents = self._token_extents(image_sizes, x.shape[0], grid)
+        return self.pyramid(self._trunk(x, grid, extents), extents)
 
 
-class KeepSizeTransform(GeneralizedRCNNTransform):
+class ImageSizesTransform(GeneralizedRCNNTransform):
+    """torchvision's ``GeneralizedRCNNTransform`` that also tells a `ViTDetBackbone` each image's size.
+
+    torchvision's detectors hand their backbone the padded batch tensor alone
+    (``self.backbone(images.tensors)``); the sizes stay in the ``ImageList``. This transform records on
+    that tensor (attribute ``vispe_image_sizes``, read by `ViTDetBackbone.forward`) the size each image
+    is padded to when it is batched alone (its size rounded up to ``size_divisible``), so an image's
+    positions, windows and attention are those it gets alone whatever it is batched with. Nothing of
+    torchvision is changed: the detector instance gets this transform in place of its own.
+    """
+
+    @classmethod
+    def replacing(cls, transform: GeneralizedRCNNTransform) -> 'ImageSizesTransform':
+        """This transform with ``transform``'s settings (sizes, normalisation, ``size_divisible``)."""
+        return cls(transform.min_size, transform.max_size, transform.image_mean, transform.image_std,
+                   size_divisible=transform.size_divisible, fixed_size=transform.fixed_size,
+                   _skip_resize=getattr(transform, '_skip_resize', False))
+
+    def forward(self, images: List[torch.Tensor], targets: Optional[List[Dict[str, torch.Tensor]]] = None
+                ) -> Tuple[ImageList, Optional[List[Dict[str, torch.Tensor]]]]:
+        image_list, targets = super().forward(images, targets)
+        d = self.size_divisible
+        setattr(image_list.tensors, IMAGE_SIZES_ATTR,
+                tuple((-(-h // d) * d, -(-w // d) * d) for h, w in image_list.image_sizes))
+        return image_list, targets
+
+
+class KeepSizeTransform(ImageSizesTransform):
     """torchvision's ``GeneralizedRCNNTransform`` without its resize: it normalises, and batches with
     padding to ``size_divisible``, images the data pipeline has already sized (e.g. DETR's multi-scale
-    augmentation), so predictions come back in the input images' pixels."""
+    augmentation), so predictions come back in the input images' pixels. Like `ImageSizesTransform`,
+    it tells the backbone each image's size."""
 
     def resize(self, image: torch.Tensor, target: Optional[Dict[str, torch.Tensor]] = None
                ) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
@@ -323,8 +458,6 @@ def vitdet_detector(
     # images padded to twice the patch: whole tokens, and an even grid for the stride-32 level
     args = dict({'size_divisible': 2 * max(backbone.patch_size)}, **(detector_args or {}))
     net = classes[detector](backbone, num_classes=num_classes, min_size=min_size, max_size=max_size, **args)
-    if keep_size:
-        t = net.transform
-        net.transform = KeepSizeTransform(t.min_size, t.max_size, t.image_mean, t.image_std,
-                                          size_divisible=t.size_divisible)
+    # each image's size reaches the backbone (positions and windows per image in a padded batch)
+    net.transform = (KeepSizeTransform if keep_size else ImageSizesTransform).replacing(net.transform)
     return net

@@ -19,7 +19,7 @@ VISPE_LAYERS: List[Tuple[str, ...]] = [
     ('vispe.contract',),  # what an encoding is: the hooks, PEContext, PreparedPE
     ('vispe.registry', 'vispe.rotary'),
     ('vispe.encodings', 'vispe.multimodal'),
-    ('vispe.attention', 'vispe.weights', 'vispe.naflex'),
+    ('vispe.attention', 'vispe.cross_attention', 'vispe.weights', 'vispe.naflex'),
     ('vispe.layers',),  # PE-aware timm attention and blocks
     ('vispe.host',),
     ('vispe.vit',),

@@ -188,10 +188,76 @@ def test_torchvision_detectors_train_and_evaluate_at_two_sizes(detector):
             assert (out[0]['boxes'][:, 2:] <= torch.tensor(size[::-1])).all()  # in the input image's pixels
 
 
+# ---------------------------------------------------------------------- images of other sizes in one batch
+def _padded_batch(*images):
+    batch = torch.zeros(len(images), 3, max(i.shape[1] for i in images), max(i.shape[2] for i in images))
+    for b, image in enumerate(images):
+        batch[b, :, :image.shape[1], :image.shape[2]] = image
+    return batch
+
+
+def _assert_region_equal(batched, alone, b):
+    for key, value in alone.items():
+        h, w = value.shape[-2:]
+        torch.testing.assert_close(batched[key][b, :, :h, :w], value[0], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize('pe', ['learned', 'rope_mixed', 'irpe', 'liere', 'peg'])
+def test_an_image_padded_in_a_batch_gets_its_maps_alone_given_the_sizes(pe):
+    """Its own grid (positions, windows) and attention to its own tokens: an image of 3x5 tokens (odd
+    sides: the stride-32 pooling) and one of 4x6 in 3x3 windows, batched with an 8x10 one, give on
+    their regions every pyramid level they give alone; without the sizes they do not."""
+    bb = _backbone(pe, window_size=3, global_blocks=[1])
+    big, small, mid = torch.randn(3, 128, 160), torch.randn(3, 48, 80), torch.randn(3, 64, 96)
+    batch = _padded_batch(big, small, mid)
+    with torch.no_grad():
+        sized = bb(batch, image_sizes=[(128, 160), (48, 80), (64, 96)])
+        shared = bb(batch)
+        for b, image in enumerate([big, small, mid]):
+            _assert_region_equal(sized, bb(image[None]), b)
+        alone = bb(small[None])
+    assert (shared['2'][1, :, :3, :5] - alone['2'][0]).abs().max() > 1e-2  # the shared canvas: other maps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('pe', _image_encodings())
+def test_an_image_padded_in_a_batch_gets_its_maps_alone_for_every_image_encoding(pe):
+    test_an_image_padded_in_a_batch_gets_its_maps_alone_given_the_sizes(pe)
+
+
+def test_the_detector_hands_each_image_size_to_the_backbone():
+    """torchvision's detector calls its backbone with the padded tensor alone; vitdet_detector's transform
+    records each image's size on it, so the backbone sees an image batched with a larger one as alone."""
+    torch.manual_seed(0)
+    net = vitdet_detector('faster_rcnn', num_classes=3, pe='rope_mixed', keep_size=True, model='vit_tiny_patch16_224',
+                          out_channels=16, window_size=2, model_args=TINY, detector_args=small_heads('faster_rcnn'))
+    net.eval()
+    seen = []
+    net.backbone.register_forward_hook(lambda module, args, out: seen.append(out))
+    small, big = torch.rand(3, 40, 70), torch.rand(3, 96, 128)  # padded alone to 64x96 (size_divisible 32)
+    with torch.no_grad():
+        net([small])
+        net([small, big])
+    alone, batched = seen
+    assert alone['2'].shape[-2:] == (4, 6) and batched['2'].shape[-2:] == (6, 8)
+    _assert_region_equal(batched, alone, 0)
+
+
+@pytest.mark.parametrize('image_sizes, message', [
+    ([(64, 64)], r'image_sizes must be one \(h, w\) of integer pixels per image of the batch \(2\)'),
+    ([(64, 64), (64.0, 32)], r'image_sizes must be one \(h, w\) of integer pixels'),
+    ([(64, 64), (80, 32)], r'image_sizes \[\(80, 32\)\] do not fit the input 64x64'),
+])
+def test_bad_image_sizes_are_refused(image_sizes, message):
+    with pytest.raises(ValueError, match=message):
+        _backbone('learned', window_size=2)(torch.randn(2, 3, 64, 64), image_sizes=image_sizes)
+
+
 # ---------------------------------------------------------------------- bad input
-def test_an_image_smaller_than_one_patch_is_refused_by_the_backbone_and_padded_by_the_detector():
+def test_an_image_smaller_than_two_patches_is_refused_by_the_backbone_and_padded_by_the_detector():
     bb = _backbone('learned', window_size=2)
-    with pytest.raises(ValueError, match=r'input size 8x40 is smaller than one patch \(16x16\)'):
+    with pytest.raises(ValueError, match=r'input size 8x40 is smaller than the smallest ViTDetBackbone takes, two '
+                                         r'patches per side \(32x32\)'):
         bb(torch.randn(1, 3, 8, 40))
     with pytest.raises(ValueError, match=r'input size 40x48 is not divisible by the patch size 16x16'):
         bb(torch.randn(1, 3, 40, 48))

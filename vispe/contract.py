@@ -628,8 +628,12 @@ class PreparedPE:
         return self.pos_q if self.pos_k is None else self.pos_k
 
     def check_tokens(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """A clear error when q or k ``(..., N, hd)`` has another token count than its positions (a
-        broadcast error inside a hook otherwise)."""
+        """A clear error when q or k ``(..., N, hd)`` has another token count than its positions, or q
+        another head dim than k (a broadcast or size error inside a hook otherwise)."""
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f'q and k must have one head dim, got q {tuple(q.shape)} (head dim {q.shape[-1]}) and '
+                             f'k {tuple(k.shape)} (head dim {k.shape[-1]}); encoding {self.encoding.name!r} maps '
+                             f'both with the same tables')
         for name, t, pos in (('q', q, self.pos_q), ('k', k, self.keys)):
             if t.shape[-2] != pos.num_tokens:
                 raise ValueError(

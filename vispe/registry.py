@@ -179,6 +179,9 @@ def _parse(spec: PESpec) -> List[Tuple[str, Dict[str, Any]]]:
                     opts[key] = value.strip()
             out.append((name.strip(), opts))
         return out
+    if isinstance(spec, (bytes, bytearray)):  # a Sequence, but of ints: name the type the user passed
+        raise TypeError(f'pe must be a str, dict or list of them, got {type(spec).__name__} {short_repr(spec)}; '
+                        f'decode it first (spec.decode())')
     if isinstance(spec, Sequence):
         if not spec:
             raise ValueError("an empty list is no encoding spec (argument pe); use 'none' for no encoding")

@@ -86,7 +86,15 @@ def pack_padded_grid(pos: Positions) -> Optional[PaddedGrid]:
     ``pos`` is a `grid` ``(H, W)`` with a ``(B, H * W)`` ``key_padding_mask`` (True on padding) whose
     images are top-left rectangles. Without a mask, or when no token is padding, the shared grid is
     already every image's own grid: None (the host keeps its fast path).
+
+    Raises:
+        TypeError: ``pos`` is not a `Positions` (e.g. the mask tensor itself).
+        ValueError: a mask whose images are not top-left rectangles, or an image that is all padding.
     """
+    if not isinstance(pos, Positions):
+        raise TypeError(f'pack_padded_grid takes the Positions of a padded canvas (vispe.grid(H, W) with a (B, H * W) '
+                        f'key_padding_mask, True on padding), got {type(pos).__name__}; for a (B, H, W) mask use '
+                        f'vispe.grid(H, W).replace(key_padding_mask=mask.flatten(1))')
     pad = pos.key_padding_mask
     if pad is None or pos.grid is None or not bool(pad.any()):
         return None

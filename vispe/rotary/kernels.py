@@ -118,7 +118,9 @@ def apply_pair_rotation(x: torch.Tensor, rot: torch.Tensor, layout: PairLayout =
     rot = rot.to(torch.complex128 if cdt == torch.float64 else torch.complex64)
     ct = torch.promote_types(x.dtype, torch.float32)  # at least float32; float64 is not downcast
     if 2 * pairs > hd:
-        raise ValueError(f'rotation has {pairs} pairs but head dim is {hd}')
+        raise ValueError(f'the rotation table has {pairs} channel pairs ({2 * pairs} channels) but the tensor it '
+                         f'rotates {tuple(x.shape)} has head dim {hd}; q and k need the head dim the encoding was '
+                         f'built for')
     if layout == 'interleaved':
         rotated, rest = (x, None) if 2 * pairs == hd else (x[..., :2 * pairs], x[..., 2 * pairs:])
         out = torch.view_as_real(_pairs(rotated) * rot).flatten(-2).to(x.dtype)
