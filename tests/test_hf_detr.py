@@ -346,3 +346,14 @@ def test_unsupported_models_versions_encodings_and_double_patching_are_refused(m
     with pytest.raises(UnsupportedVersionError,
                        match=r'transformers >= 5.25, < 6; transformers 4.57.1 is installed: pip install "vispe\[transformers\]"'):
         patch_detr(model)
+
+
+@pytest.mark.parametrize('spec', ['irpe', 'detr_sine+irpe:on=k', 'swin_rpb'])
+def test_cross_pe_keys_refuses_a_logit_bias_when_patched(spec):
+    """A logit bias needs query positions, which DETR's object queries lack: refused when the model is
+    patched (it failed at the first forward with a bare size error), with nothing changed."""
+    model = build('detr')
+    before = run(model)
+    with pytest.raises(ValueError, match="cross_pe='keys' cannot take encoding .*'additive'"):
+        patch_detr(model, spec, cross_pe='keys')
+    assert max_diff(run(model), before) == 0 and not hasattr(model.model, 'vispe_pe')

@@ -19,8 +19,9 @@ untouched, so two models of one process can carry different encodings) it replac
 
 The encoding itself is registered as ``<model>.vispe_pe`` (its parameters train and save with the
 model's ``state_dict``). `DetrPatch.remove` undoes everything: module types, attributes and
-``state_dict`` are then those of the unpatched model. The replaced forwards are closures over this
-instance's modules: to copy or pickle a patched model, remove the patch, copy, and patch each copy.
+``state_dict`` are then those of the unpatched model. The replaced forwards are the handle's methods
+bound to this instance's modules (`vispe.integrations.base`): a patched model deep-copies into an
+independent patched model and pickles.
 
 Padding. transformers' ``pixel_mask`` is 1 on real pixels and 0 on padding (vispe's
 ``key_padding_mask`` is the opposite). Its downsampling to the feature map (transformers' own,
@@ -32,11 +33,12 @@ comes from ``pixel_mask``, never from transformers' attention-mask dispatch).
 
 What each family takes:
 
-* **DETR**: any encoding in encoder self-attention; decoder cross-attention by ``cross_pe`` as
-  vispe's own DETR: ``'keys'`` (additive part on the keys and attention-side hooks with the object
-  queries at the origin), ``'additive'`` (additive part on the keys only, DETR's arrangement),
-  ``'none'``; ``'auto'`` is ``'keys'`` unless the encoding has a logit bias (iRPE, ...), which
-  needs query positions and so stays in the encoder.
+* **DETR**: any encoding in encoder self-attention; decoder cross-attention by ``cross_pe`` with the
+  policy of vispe's own DETR (`vispe.cross_attention.check_cross_pe`): ``'keys'`` (additive part on
+  the keys and attention-side hooks with the object queries at the origin), ``'additive'`` (additive
+  part on the keys only, DETR's arrangement), ``'none'``; ``'auto'`` is ``'keys'`` unless the encoding
+  has a term per query-key pair (iRPE's logit bias, ...), which needs query positions and so stays in
+  the encoder; ``'keys'`` refuses such an encoding.
 * **Conditional DETR**: any encoding with an additive part in encoder self-attention; its
   cross-attention builds the spatial half of each key from the additive embedding (``k_pos_proj``),
   so an encoding needs an additive part (compose one: ``'detr_sine+rope_mixed'``); ``cross_pe``
@@ -66,6 +68,7 @@ from torch import nn
 
 from ..attention import pe_attention
 from ..contract import PEContext, PositionalEncoding, PreparedPE
+from ..cross_attention import CROSS_PE, check_cross_pe
 from ..positions import Positions, grid, pack_padded_grid, points
 from ..positions.padding import PaddedGrid
 from ..extras import SUPPORTED, require
@@ -78,7 +81,6 @@ __all__ = ['patch_detr', 'DetrPatch', 'DetrPositionTable', 'SUPPORTED_MODEL_TYPE
 Tensor = torch.Tensor
 
 SUPPORTED_TRANSFORMERS = SUPPORTED['transformers']  # [low, high): what this adapter is written and tested against
-CROSS_PE = ('auto', 'keys', 'additive', 'none')
 
 
 @dataclass(frozen=True)
@@ -510,7 +512,7 @@ def patch_detr(model: nn.Module, pe: Optional[PESpec] = 'rope_mixed', *, cross_p
     learned = family.encoder != 'aifi' and getattr(model.config, 'position_embedding_type', None) == 'learned'
     if pe is None:
         pe = 'detr_learned' if learned else family.own
-    if cross_pe not in CROSS_PE:
+    if not isinstance(cross_pe, str) or cross_pe not in CROSS_PE:
         raise ValueError(f'cross_pe must be one of {CROSS_PE}, got {cross_pe!r}')
     if cross_pe not in family.cross_pe:
         raise ValueError(f'cross_pe={cross_pe!r} does not apply to {family.label}: {_CROSS_WHY[family.label]}')
@@ -532,15 +534,10 @@ def patch_detr(model: nn.Module, pe: Optional[PESpec] = 'rope_mixed', *, cross_p
         raise ValueError(f"{family.label} cannot take encoding {pe!r} alone: {_CROSS_WHY[family.label]}; compose "
                          f"an additive encoding with it, e.g. 'detr_sine+{pe}'" if isinstance(pe, str) else
                          f'{family.label} needs an encoding with an additive part: {_CROSS_WHY[family.label]}')
-    if family.label == 'DETR':
-        if cross_pe == 'auto':
-            cross_pe = 'additive' if caps.needs_query_positions else 'keys'
+    if family.label == 'DETR':  # the policy vispe's own DETR follows
+        cross_pe = check_cross_pe(caps, cross_pe, encoding=pe if isinstance(pe, str) else None)
     elif cross_pe == 'auto':
         cross_pe = 'additive' if family.needs_additive else 'none'
-    if cross_pe == 'keys' and caps.needs_query_positions:
-        raise ValueError(f"cross_pe='keys' cannot take encoding {pe!r}: it adds a term per query-key pair (hooks "
-                         f"{sorted(caps.hooks & {'bias', 'weights_value'})}) that needs query positions, and DETR's "
-                         f"object queries have none; use cross_pe='additive' (or 'auto') to keep it in the encoder")
     cross_hooks = cross_pe == 'keys' and caps.in_attention
     if cross_hooks and dec_heads != heads:
         raise ValueError(f"cross_pe='keys' runs the encoding's attention hooks in cross-attention, which has "
