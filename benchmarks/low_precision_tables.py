@@ -5,7 +5,8 @@ their hooks on the same inputs (drawn in float32, rounded to the dtype, so both 
 at a 96 x 96 grid with a class token, and the script prints the largest difference relative to the
 float32 result's largest entry, ``max |half - float32| / max |float32|``, per hook: the rotated q
 (``qk``), the logit bias (``bias``, among 64 tokens: the grid's four corners (the largest offsets), its
-centre and 59 drawn at random; masked entries must agree), the embedded tokens (``embed``), ``value`` / ``output`` / ``between_blocks``.
+centre and 59 drawn at random; masked entries must agree), the embedded tokens (``embed``), ``value`` /
+``output`` / ``between_blocks``.
 
 Two references:
 
@@ -106,7 +107,7 @@ def run_hooks(pe: PositionalEncoding, inputs: Dict[str, object], dtype: torch.dt
         if 'embed' in hooks:
             out['embed'] = pe.embed(t['x'], pos)
         if 'between_blocks' in hooks:
-            out['between_blocks'] = pe.between_blocks(t['x'], pos, LAYER)
+            out['between_blocks'] = pe.between_blocks(t['x'], pos, 0)  # PEG's conv: after the first block
     return out
 
 
@@ -152,7 +153,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             cells = [f'{100 * e:.3f} %' for errors in per_dtype for e in errors[hook]]
             lines.append(f'| `{name}` | {hook} | ' + ' | '.join(cells) + ' |')
             print(lines[-1], flush=True)
-    notes = [f'{GRID[0]} x {GRID[1]} grid and a class token, dim {DIM}, {HEADS} heads, layer {LAYER} of {DEPTH}; one rounding to the dtype: '
+    notes = [f'{GRID[0]} x {GRID[1]} grid and a class token, dim {DIM}, {HEADS} heads, layer {LAYER} of {DEPTH}; '
+             'one rounding to the dtype: '
              + ', '.join(f'{d} {100 * UNIT_ROUNDOFF[DTYPES[d]]:.3f} %' for d in args.dtypes.split(','))]
     if args.out:
         with open(args.out, 'w') as f:
