@@ -218,6 +218,21 @@ def correct_kernels(dtype, kinds, steps):
         assert not caught
 
 
+def test_auto_trusts_a_correct_kernel_checked_on_a_diverged_step(run):
+    run(correct_kernel_on_non_finite_inputs)
+
+
+def correct_kernel_on_non_finite_inputs():
+    """inf and NaN in q (a diverged step) reach both kernels alike: no reason to fall back."""
+    with auto_on_cpu() as (calls, caught):
+        qkv, _, _, rot = qk_and_rotation('table', grad=True)
+        qkv = qkv.detach().index_put((torch.tensor(0), torch.tensor(3), torch.arange(4)),
+                                     torch.tensor([float('nan'), float('inf'), -float('inf'), 1e30])).requires_grad_()
+        q, k, _ = qkv.reshape(2, 7, 3, 2, 16).permute(2, 0, 3, 1, 4).unbind(0)
+        torch.stack(rotate_qk(q, k, rot, rot, 'table')).sum().backward()
+        assert report_of('table')[0].status == 'trusted' and not fallback_warnings(caught)
+
+
 # ------------------------------------------------------------------ threads
 def test_threads_launching_a_new_kind_at_once_check_it_once(run):
     run(concurrent_first_launches)

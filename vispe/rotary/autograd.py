@@ -266,7 +266,8 @@ def _self_check(kind: str, inputs: Sequence[torch.Tensor], rot: torch.Tensor, ne
     (its layout, head dim, tokens and rotation; a batch's worth of time and memory would buy nothing more),
     relative to the reference's largest entry: the rotated inputs and, for ``needs`` = (inputs, rotation)
     needing gradients, the gradients of a fixed random cotangent (the backward launch the call will make).
-    Runs in float32 arithmetic (autocast off) and leaves the global random state alone."""
+    Runs with autocast off (the reference in its own precision), synchronises once and leaves the global
+    random state alone."""
     x = inputs[0]
     inner = fused.INNER_DIMS[kind]
     if x.dim() == 4 and x.shape[0] > 1:
@@ -290,15 +291,21 @@ def _self_check(kind: str, inputs: Sequence[torch.Tensor], rot: torch.Tensor, ne
         return [o.detach() for o in outs] + list(grads)
 
     with torch.inference_mode(False), torch.enable_grad(), autocast_off(x.device):
-        return max(_relative_difference(a, b) for a, b in zip(run(True), run(False)))
+        differences = [_relative_difference(a, b) for a, b in zip(run(True), run(False))]
+        return torch.stack(differences).max().item()  # the check's one synchronisation
 
 
-def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``max |got - want| / max |want|`` in float32 (complex tensors as their real pairs)."""
+def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """``max |got - want| / max |want|`` in float32 (complex tensors as their real pairs), a 0-dim tensor, over the
+    entries the reference has finite (a diverged step's inf and NaN pass through both alike); infinite where
+    the two are finite at different entries."""
     if got.is_complex():
         got, want = torch.view_as_real(got.resolve_conj()), torch.view_as_real(want.resolve_conj())
     got, want = got.float(), want.float()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    finite = torch.isfinite(want)
+    scale = torch.where(finite, want, 0).abs().max().clamp_min(1e-30)
+    difference = torch.where(finite, got - want, 0).abs().max() / scale
+    return torch.where((torch.isfinite(got) != finite).any(), torch.inf, difference)
 
 
 def _run_fused(kind: str, inputs: Sequence[torch.Tensor], launch: Callable[[], Any]) -> Any:
