@@ -100,7 +100,7 @@ run_stage() {  # name, seconds, file for its output too ('' for none), command..
 run_stage 'fused kernels on CUDA (pytest)' 150 "$OUT_DIR/pytest.log" \
     $PY -m pytest -p no:cacheprovider -q -rfE -m 'not slow' "${PYTEST_ARGS[@]}" \
     tests/test_cuda_fused.py tests/test_triton_rotary.py
-run_stage 'fused self-check and report' 60 '' $PY benchmarks/fused_selfcheck.py --device "$DEVICE" \
+run_stage 'fused self-check and report' 90 '' $PY benchmarks/fused_selfcheck.py --device "$DEVICE" \
     "${SELFCHECK_ARGS[@]}" --out "$OUT_DIR/fused_selfcheck.md"
 run_stage 'numerics table' 90 '' $PY benchmarks/fused_numerics.py --device "$DEVICE" "${NUMERICS_ARGS[@]}" \
     --out "$OUT_DIR/numerics.md"
