@@ -7,7 +7,9 @@ Needs a GPU. For each encoding (every registered one plus a few option variants)
   claim of "yes" that fails is a bug, a "no" that runs is a missed speed-up;
 * ``bf16``: a train step under bf16 autocast gives a finite loss and finite gradients;
 * ``fused``: launches of the fused Triton rotation kernels (`vispe.rotary.fused`) in
-  that train step, forward and backward (0: the reference rotations ran);
+  that train step, forward and backward (0: the reference rotations ran); after the table,
+  `vispe.rotary.fused_report()`: what each kernel kind ran as under ``'auto'`` (trusted after its
+  check against the reference, fell back and why, not tried);
 * ``cpu diff``: largest difference between the float32 outputs of the same tiny model on CUDA and
   on the CPU (TF32 off), relative to the output's scale;
 * eval forward, train step and train-step peak memory as ratios against ``pe='none'``, measured in
@@ -378,6 +380,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                      ', '.join(f'{n} {t:.0f}' for n, t in compile_s.items()))
     if skipped:
         notes.append(f'skipped to keep the {args.budget_min:g} min budget: {"; ".join(skipped)}')
+    notes.append(f"fused kernels (mode {vispe.rotary.fused_mode()!r}), vispe.rotary.fused_report():")
+    notes += [f'  {c.kind} {c.dtype or "-"} {c.device or "-"}: {c.status} ({c.detail})'
+              for c in vispe.rotary.fused_report()]
     text = '\n'.join(lines + [''] + notes)
     print('\n' + text, flush=True)
     elapsed('done')

@@ -12,6 +12,8 @@
 #   pytest.log     the fused kernels against the reference on CUDA: tests/test_cuda_fused.py (marker
 #                  cuda) and tests/test_triton_rotary.py (the interpreter tests, here compiled)
 #   numerics.md    kind x dtype x shape -> max relative difference, output and gradients
+#   fused_selfcheck.md  the cost of the fused kernels' first-launch check under 'auto' and
+#                  vispe.rotary.fused_report() (trusted / fell back and why / not tried per kind)
 #   bandwidth.md   the rotation alone on ViT-B q / k: fused, reference, compiled reference, Liger (GB/s)
 #   cuda_check.md  benchmarks/cuda_check.py: ViT-B/16 224 bf16, eager and compiled, batch 64 (and 256
 #                  within the time left), ratios against pe='none', memory, attention backend
@@ -34,6 +36,7 @@ if [ "$DEVICE" = cpu ]; then  # tiny shapes: the plumbing, not the figures
     CHECK_ARGS=(--model vit_tiny --batch 2 --modes eager --rounds 1)
     PES=rope_mixed,liere
     PYTEST_ARGS=(-k 'cuda or auto')
+    SELFCHECK_ARGS=(--batch 1 --heads 2 --tokens 17 --head-dim 16 --rounds 1)
 else
     NUMERICS_ARGS=()
     BANDWIDTH_ARGS=()
@@ -42,6 +45,7 @@ else
     PES=rope_mixed,liere,rope_axial,comrope_ap,string_cayley,irpe,learned,sincos,peg,fourier_learnable
     PES=$PES,comrope_ld,string_circulant,gta,pape_ri,swin_rpb,alibi2d,rope_timm,prope,gta_multiview
     PYTEST_ARGS=(-n 8)
+    SELFCHECK_ARGS=()
 fi
 
 say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
@@ -96,6 +100,8 @@ run_stage() {  # name, seconds, file for its output too ('' for none), command..
 run_stage 'fused kernels on CUDA (pytest)' 150 "$OUT_DIR/pytest.log" \
     $PY -m pytest -p no:cacheprovider -q -rfE -m 'not slow' "${PYTEST_ARGS[@]}" \
     tests/test_cuda_fused.py tests/test_triton_rotary.py
+run_stage 'fused self-check and report' 90 '' $PY benchmarks/fused_selfcheck.py --device "$DEVICE" \
+    "${SELFCHECK_ARGS[@]}" --out "$OUT_DIR/fused_selfcheck.md"
 run_stage 'numerics table' 90 '' $PY benchmarks/fused_numerics.py --device "$DEVICE" "${NUMERICS_ARGS[@]}" \
     --out "$OUT_DIR/numerics.md"
 run_stage 'rotation bandwidth' 120 '' $PY benchmarks/rotation_bandwidth.py --device "$DEVICE" "${BANDWIDTH_ARGS[@]}" \

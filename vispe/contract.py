@@ -178,7 +178,11 @@ class PositionalEncoding(nn.Module):
     * ``paper``: the reference, ``needs_tokens``: ``qk`` wants the normed attention input,
       ``changes_head_dim``: ``qk`` returns wider q/k (and ``value`` pads v to the same width);
     * ``requires``: `Positions` fields beyond coordinates that the encoding reads (e.g.
-      ``'cameras'``); a plain image ViT supplies none of them.
+      ``'cameras'``); a plain image ViT supplies none of them;
+    * ``float32_buffers``: names (dotted for submodules) of fixed buffers that positions multiply
+      (frequency tables, slopes, projections): they stay float32 (float64 stays float64) when the module
+      is cast to half precision (`_apply`), so the angles and biases built from them keep float32's
+      precision; learned parameters follow the module's dtype (autocast keeps them float32).
 
     State that depends only on positions and parameters is built in `_prepare` once per forward
     and shared by all layers; `prepare` wraps it in a `PreparedPE` and caches it in eval mode under
@@ -205,6 +209,7 @@ class PositionalEncoding(nn.Module):
     requires: ClassVar[FrozenSet[str]] = frozenset()
     name: ClassVar[str] = ''
     cache_compiled_state: ClassVar[bool] = False
+    float32_buffers: ClassVar[FrozenSet[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -328,7 +333,24 @@ class PositionalEncoding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self.clear_cache()
-        return super()._apply(fn, recurse)
+        tables = [(owner, leaf, owner._buffers[leaf]) for owner, leaf in map(self._buffer_owner, self.float32_buffers)
+                  if owner is not None and owner._buffers.get(leaf) is not None]
+        module = super()._apply(fn, recurse)
+        # a fixed table cast to bf16 turns a position p into a phase off by up to p * 2^-9 of its own: keep
+        # the table as it was, on the new device
+        for owner, leaf, before in tables:
+            after = owner._buffers[leaf]
+            if after.dtype in (torch.float16, torch.bfloat16) and after.dtype != before.dtype:
+                owner._buffers[leaf] = before.to(after.device)
+        return module
+
+    def _buffer_owner(self, name: str) -> Tuple[Optional[nn.Module], str]:
+        """The module holding buffer ``name`` of `float32_buffers` (None where an option leaves it out)."""
+        prefix, _, leaf = name.rpartition('.')
+        try:
+            return (self.get_submodule(prefix) if prefix else self), leaf
+        except AttributeError:
+            return None, leaf
 
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         """Adapt grid-shaped parameters to a new training grid (``set_input_size``)."""

@@ -290,6 +290,7 @@ class GaussianFourierPE(CoordinatePE):
         grid_range: coordinates of grid tokens, ``'unit'`` ``[0, 1]`` or ``'signed'`` ``[-1, 1]``.
     """
     paper = 'Tancik et al., NeurIPS 2020 (Fourier features), arXiv:2006.10739'
+    float32_buffers = frozenset({'encoder.B'})
 
     def __init__(
             self,

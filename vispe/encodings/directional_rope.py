@@ -108,6 +108,7 @@ class DirectionalRope(MixedAnglePE):
     with a directional RoPE carry none of them.
     """
     larger_input = 'interpolate'
+    float32_buffers = frozenset({'freqs'})
 
     def __init__(self, ctx: PEContext, grid_mode: str, freqs: torch.Tensor) -> None:
         _check_planar(self.name, ctx)
@@ -225,6 +226,7 @@ class RopeSpiral(DirectionalRope):
         corners: ``linear`` or ``clamp`` (the released code's angles, see above).
     """
     paper = 'Spiral RoPE, arXiv:2602.03227, 2026'
+    float32_buffers = frozenset({'freqs', 'direction', 'magnitude'})  # the last two with corners='clamp'
 
     def __init__(
             self,

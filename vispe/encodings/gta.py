@@ -166,6 +166,7 @@ class GtaMultiview(RotationPE):
     requires = frozenset({'cameras', 'view_index'})
     larger_input = 'interpolate'
     paper = 'Miyato et al., ICLR 2024 (GTA), arXiv:2310.10375'
+    float32_buffers = frozenset({'translation_scale'})  # a buffer with learn_translation_scale=False
 
     def __init__(
             self,

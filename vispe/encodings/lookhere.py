@@ -179,6 +179,7 @@ class LookHere(PositionalEncoding):
     shift_invariant = True
     larger_input = 'extrapolate'
     paper = 'Fuller et al., NeurIPS 2024 (LookHere), arXiv:2405.13985'
+    float32_buffers = frozenset({'half_planes', 'head_slopes', 'layer_scale'})
 
     def __init__(self, ctx: PEContext, *, directions: str = 'lh180', global_slope: float = 1.0,
                  layer_slopes: Tuple[float, float] = (1.5, 0.5),

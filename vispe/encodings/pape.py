@@ -218,6 +218,7 @@ class PaPE(_Parabolic):
         pad_to_multiple: pad the augmented head width to a multiple of this (8, as the released code).
     """
     paper = 'PaPE (2026), arXiv:2602.01418'
+    float32_buffers = frozenset({'_pair_weight'})
 
     def __init__(self, ctx: PEContext, *, parabolas: int = 50, **options: Any) -> None:
         check_min_int(self.name, 'parabolas', parabolas)
@@ -289,6 +290,7 @@ class PaPERI(_Parabolic):
         pad_to_multiple: pad the augmented head width to a multiple of this (8).
     """
     paper = 'PaPE-RI (2026), arXiv:2602.01418'
+    float32_buffers = frozenset({'position_scales'})
 
     def __init__(self, ctx: PEContext, **options: Any) -> None:
         super().__init__(ctx, **options)

@@ -81,6 +81,7 @@ class ALiBi2D(PositionalEncoding):
     shift_invariant = True
     larger_input = 'extrapolate'
     paper = 'Press et al., ICLR 2022 (ALiBi), 2D Euclidean form'
+    float32_buffers = frozenset({'slopes'})
 
     def __init__(self, ctx: PEContext, *, grid_mode: GridMode = 'index') -> None:
         super().__init__(ctx)

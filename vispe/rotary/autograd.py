@@ -3,7 +3,9 @@
 `rotate_qk` and `apply_rotation` are the one entry of every rotary encoding. They pick, per call:
 
 * the fused Triton kernels (`fused`, kinds ``table``, ``half_table``, ``pair``, ``block``, ``matrix`` on
-  CUDA; `set_fused` / ``VISPE_FUSED`` select);
+  CUDA; `set_fused` / ``VISPE_FUSED`` select); under ``'auto'`` each kind only once it has agreed with
+  the reference on the device (`trust`: the first launch of each variant is checked on the call's first
+  sample, `_self_check`; a kind that fails runs the reference from then on, with one warning);
 * under autograd, `_SavedOutputRotation`: only the rotated output (which attention saves anyway)
   and the rotation are kept for backward, the input gradient is ``R^T grad`` and the rotation's
   gradient comes from ``R x`` itself or from ``x = R^-1 (R x)``, never from a second copy of q and k;
@@ -21,13 +23,15 @@ from typing import Any, Callable, Dict, Literal, NamedTuple, Optional, Sequence,
 import torch
 
 from .._tracing import is_tracing
-from . import fused
+from ..contract import autocast_off
+from . import fused, trust
 from .kernels import (
     PairRotation, apply_pair_rotation, block_rotation_grad_from_output, fourier_rotation, mixed_pair,
     mixed_pair_adjoint, mixed_pair_grads, rotate_blocks, rotation_table, unit_table,
 )
 
-__all__ = ['FUSED', 'fused_mode', 'set_fused', 'KINDS', 'RotationKind', 'angle_tables', 'apply_rotation', 'rotate_channels', 'rotate_qk']
+__all__ = ['FUSED', 'fused_mode', 'set_fused', 'fused_report', 'KINDS', 'RotationKind', 'angle_tables',
+           'apply_rotation', 'rotate_channels', 'rotate_qk']
 
 FusedMode = Literal['auto', 'on', 'off']
 _MODES = ('auto', 'on', 'off')
@@ -36,10 +40,12 @@ FUSED: Optional[FusedMode] = None
 """When q / k rotations run the fused Triton kernels (kinds ``table``, ``half_table``, ``pair``, ``block``,
 ``matrix``, and ``mixed_pair``'s pairs after its dense product; the inputs and rotations
 `fused.supported` lists, also as tokens-first ``(B, N, H, hd)`` views, the reference kernels otherwise):
-``'auto'`` on CUDA tensors when triton imports, ``'on'`` on any device (CPU tensors need Triton's interpreter,
-``TRITON_INTERPRET=1`` before vispe is imported: for tests), ``'off'`` never. Never while tracing
-(torch.compile fuses the reference itself). None (the default): the environment variable ``VISPE_FUSED``,
-read when a rotation runs, else ``'auto'``. Set with `set_fused`, read with `fused_mode`."""
+``'auto'`` on CUDA tensors when triton imports, each kind once it has agreed with the reference kernels there
+(`trust`; otherwise the reference, and one warning), ``'on'`` on any device and unchecked, raising what a kernel
+raises (CPU tensors need Triton's interpreter, ``TRITON_INTERPRET=1`` before vispe is imported: for tests),
+``'off'`` never. Never while tracing (torch.compile fuses the reference itself). None (the default): the
+environment variable ``VISPE_FUSED``, read when a rotation runs, else ``'auto'``. Set with `set_fused`, read with
+`fused_mode`; `fused_report` says what each kind ran as under ``'auto'``."""
 
 
 def fused_mode() -> FusedMode:
@@ -60,6 +66,8 @@ def set_fused(mode: Optional[FusedMode]) -> Optional[FusedMode]:
     previous, FUSED = FUSED, mode
     return previous
 
+
+fused_report = trust.fused_report
 
 Kernel = Callable[..., torch.Tensor]
 
@@ -219,15 +227,99 @@ class _SavedOutputRotation(torch.autograd.Function):
         return (None, None, None, *grads_x, *grads_p)
 
 
+_AUTO_DEVICES = ('cuda',)
+"""Device types whose tensors ``'auto'`` puts on the fused kernels."""
+
+
 def _fused_device(x: torch.Tensor) -> bool:
     """Whether `FUSED` puts rotations of ``x`` on the fused kernels, where they support them."""
     mode = fused_mode()
-    return not (mode == 'off' or (mode == 'auto' and not x.is_cuda) or is_tracing())
+    return not (mode == 'off' or (mode == 'auto' and x.device.type not in _AUTO_DEVICES) or is_tracing())
 
 
 def _fused(kind: str, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
-    """Whether this rotation runs the fused kernels (see `FUSED`)."""
-    return _fused_device(inputs[0]) and len(params) == 1 and fused.supported(kind, inputs, params[0])
+    """Whether this rotation runs the fused kernels (see `FUSED`): under ``'auto'``, checked first (`_trusted`)."""
+    if not (_fused_device(inputs[0]) and len(params) == 1 and fused.supported(kind, inputs, params[0])):
+        return False
+    return fused_mode() == 'on' or _trusted(kind, inputs, params[0])
+
+
+def _trust_key(kind: str, x: torch.Tensor) -> trust.Key:
+    return kind, x.dtype, str(x.device)
+
+
+def _trusted(kind: str, inputs: Sequence[torch.Tensor], rot: torch.Tensor) -> bool:
+    """`trust.trusted` for this call's variant: the kernel specialisations it launches follow the rotation's
+    dtype and block size and, under autograd, which of the inputs and the rotation need a gradient (the
+    backward launch). No check while a CUDA graph is captured (it synchronises): the reference runs there
+    until a check outside the capture has passed."""
+    x = inputs[0]
+    needs = ((any(t.requires_grad for t in inputs), rot.requires_grad) if torch.is_grad_enabled() else (False, False))
+    variant = (rot.dtype, rot.shape[-1] if kind in ('block', 'matrix') else 2, needs)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return trust.trusted(_trust_key(kind, x), variant, lambda: _self_check(kind, inputs, rot, needs),
+                         may_check=not capturing)
+
+
+def _self_check(kind: str, inputs: Sequence[torch.Tensor], rot: torch.Tensor, needs: Tuple[bool, bool]) -> float:
+    """The largest difference between the fused and the reference kernels on the first sample of this call
+    (its layout, head dim, tokens and rotation; a batch's worth of time and memory would buy nothing more),
+    relative to the reference's largest entry: the rotated inputs and, for ``needs`` = (inputs, rotation)
+    needing gradients, the gradients of a fixed random cotangent (the backward launch the call will make).
+    Runs with autocast off (the reference in its own precision), synchronises once and leaves the global
+    random state alone."""
+    x = inputs[0]
+    inner = fused.INNER_DIMS[kind]
+    if x.dim() == 4 and x.shape[0] > 1:
+        inputs = [t[:1] for t in inputs]
+        rot = rot[:1] if rot.dim() == inner + 3 and rot.shape[0] > 1 else rot
+    if any(t.is_inference() for t in (*inputs, rot)):  # inference tensors take no part in autograd
+        with torch.inference_mode(False):
+            inputs, rot = [t.clone() for t in inputs], rot.clone()
+    generator = torch.Generator().manual_seed(0)
+    cotangents = [torch.randn(t.shape, generator=generator).to(t.device, t.dtype) for t in inputs]
+
+    def run(fused_kernels: bool) -> list:
+        leaves = [t.detach().requires_grad_(needs[0]) for t in inputs]
+        param = rot.detach().requires_grad_(needs[1])
+        if fused_kernels:
+            outs = fused.rotate(leaves, param, kind)
+        else:
+            outs = [_forward(kind, 0, t, (param,), keep_layout=False) for t in leaves]
+        wrt = [t for t in (*leaves, param) if t.requires_grad]
+        grads = torch.autograd.grad(outs, wrt, cotangents) if wrt else ()
+        return [o.detach() for o in outs] + list(grads)
+
+    with torch.inference_mode(False), torch.enable_grad(), autocast_off(x.device):
+        differences = [_relative_difference(a, b) for a, b in zip(run(True), run(False))]
+        return torch.stack(differences).max().item()  # the check's one synchronisation
+
+
+def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """``max |got - want| / max |want|`` in float32 (complex tensors as their real pairs), a 0-dim tensor, over the
+    entries the reference has finite (a diverged step's inf and NaN pass through both alike); infinite where
+    the two are finite at different entries."""
+    if got.is_complex():
+        got, want = torch.view_as_real(got.resolve_conj()), torch.view_as_real(want.resolve_conj())
+    got, want = got.float(), want.float()
+    finite = torch.isfinite(want)
+    scale = torch.where(finite, want, 0).abs().max().clamp_min(1e-30)
+    difference = torch.where(finite, got - want, 0).abs().max() / scale
+    return torch.where((torch.isfinite(got) != finite).any(), torch.inf, difference)
+
+
+def _run_fused(kind: str, inputs: Sequence[torch.Tensor], launch: Callable[[], Any]) -> Any:
+    """``launch()``; under ``'auto'`` an exception (a shape whose kernel fails to compile after the kind's
+    checks passed) falls the kind back (`trust.failed`) and gives None: the caller runs the reference."""
+    if fused_mode() == 'on':
+        return launch()
+    try:
+        return launch()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        trust.failed(_trust_key(kind, inputs[0]), error)
+        return None
 
 
 def _fused_pair_rotation(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -237,7 +329,8 @@ def _fused_pair_rotation(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     members = tuple(x.unbind(0)) if x.dim() == 5 else (x,)
     if torch.is_grad_enabled() and (x.requires_grad or table.requires_grad) or not _fused('table', members, (table,)):
         return apply_pair_rotation(x, table)
-    return fused.rotate_members(members, table, 'table').view(x.shape)
+    out = _run_fused('table', members, lambda: fused.rotate_members(members, table, 'table'))
+    return apply_pair_rotation(x, table) if out is None else out.view(x.shape)
 
 
 def _fused_pairs(x: torch.Tensor) -> Optional[PairRotation]:
@@ -265,11 +358,15 @@ def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind
             ) -> Tuple[torch.Tensor, ...]:
     if kind not in KINDS:
         raise ValueError(f'rotation kind must be one of {tuple(KINDS)}, got {kind!r}')
+    out = None
     if _fused(kind, inputs, params):
-        return fused.rotate(inputs, params[0], kind)
-    swapped = _heads_first(kind, inputs, params)
-    if swapped is not None:
-        return tuple(y.transpose(1, 2) for y in fused.rotate(*swapped, kind))
+        out = _run_fused(kind, inputs, lambda: fused.rotate(inputs, params[0], kind))
+    else:
+        swapped = _heads_first(kind, inputs, params)
+        if swapped is not None:
+            out = _run_fused(kind, inputs, lambda: tuple(y.transpose(1, 2) for y in fused.rotate(*swapped, kind)))
+    if out is not None:
+        return out
     # traced, autograd runs through the reference kernels: the compiler decides what to save itself
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)) and not is_tracing():
         out = _SavedOutputRotation.apply(kind, block, len(inputs), *inputs, *params)
