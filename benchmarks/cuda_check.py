@@ -58,7 +58,7 @@ from vispe import PEAttention  # noqa: E402
 from vispe.rotary import fused as fused_kernels  # noqa: E402
 from _timing import compare, compile_models, peak_memory  # noqa: E402
 
-VARIANTS = ['irpe:on=qkv', 'liere:gd=2', 'comrope_ap:block=8']
+VARIANTS = ['irpe:on=qkv', 'liere:block=2', 'comrope_ap:block=8']
 
 
 class SDPACounter:

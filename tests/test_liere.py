@@ -138,17 +138,17 @@ def test_rotate_qk_on_a_fused_projection_matches_autograd(width, rot_layout):
         torch.testing.assert_close(g, e)
 
 
-@pytest.mark.parametrize('gd', [3, 8])
-def test_liere_rotation_is_matrix_exp_of_summed_generators(gd):
+@pytest.mark.parametrize('block', [3, 8])
+def test_liere_rotation_is_matrix_exp_of_summed_generators(block):
     """R(p) = matrix_exp(sum_d p_d A_d) per block, A_d = T - T^T from the strict upper triangle."""
-    pe = _pe(gd=gd)
+    pe = _pe(block=block)
     coords = torch.rand(5, 2, dtype=torch.float64)
-    rot = torch.stack(list(pe.rotation(vispe.points(coords))))  # per layer in training: (L, H, N, blocks, gd, gd)
+    rot = torch.stack(list(pe.rotation(vispe.points(coords))))  # per layer in training: (L, H, N, blocks, block, block)
     raw = pe.generators.detach()
-    iu = torch.triu_indices(gd, gd, 1)
-    t = torch.zeros(*raw.shape[:-1], gd, gd, dtype=torch.float64)
+    iu = torch.triu_indices(block, block, 1)
+    t = torch.zeros(*raw.shape[:-1], block, block, dtype=torch.float64)
     t[..., iu[0], iu[1]] = raw
-    gens = t - t.transpose(-1, -2)  # (D, L, H, blocks, gd, gd)
+    gens = t - t.transpose(-1, -2)  # (D, L, H, blocks, block, block)
     expected = torch.linalg.matrix_exp(torch.einsum('nd,dlhjab->lhnjab', coords, gens).contiguous())
     torch.testing.assert_close(rot, expected, rtol=0, atol=1e-10)
 
@@ -176,10 +176,10 @@ def test_linear_exp_values_and_gradients_match_matrix_exp(coords_shape, scale, n
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-8)
 
 
-@pytest.mark.parametrize('gd', [2, 3, 8])
+@pytest.mark.parametrize('block', [2, 3, 8])
 @pytest.mark.parametrize('axes', [2, 3])
-def test_liere_rotation_is_orthogonal(gd, axes):
-    pe = _pe(axes, gd=gd)
+def test_liere_rotation_is_orthogonal(block, axes):
+    pe = _pe(axes, block=block)
     pos = vispe.grid(*(3,) * axes, num_prefix=1)
     q, _ = random_qk(pos.num_tokens)
     q2, k2 = pe.prepare(pos).qk(q, q, layer=1)
@@ -189,7 +189,7 @@ def test_liere_rotation_is_orthogonal(gd, axes):
 
 @pytest.mark.parametrize('axes', [2, 3])
 def test_liere_gd2_is_shift_invariant(axes):
-    pe = _pe(axes, gd=2)
+    pe = _pe(axes, block=2)
     coords = torch.rand(9, axes, dtype=torch.float64) * 3
     shift = torch.randn(axes, dtype=torch.float64) * 5
     q, k = random_qk(10)
@@ -202,18 +202,18 @@ def test_liere_gd2_is_shift_invariant(axes):
 @pytest.mark.parametrize('axes', [2, 3])
 def test_liere_gd8_is_not_shift_invariant(axes):
     """Dense 8x8 generators do not commute: a common shift of every position changes the logits."""
-    pe = _pe(axes, gd=8)
+    pe = _pe(axes, block=8)
     coords = torch.rand(9, axes, dtype=torch.float64)
     q, k = random_qk(10)
     a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
     b = rotated_logits(pe, vispe.points(coords + 0.5, num_prefix=1), q, k)
     assert (a - b)[..., 1:, 1:].abs().max() > 1e-2
-    assert not pe.shift_invariant and _pe(axes, gd=2).shift_invariant
+    assert not pe.shift_invariant and _pe(axes, block=2).shift_invariant
 
 
 def test_liere_gd2_equals_rope_mixed_with_mapped_frequencies():
-    """gd = 2: block j rotates by sum_d p_d A_d[1, 0] = -sum_d p_d t_dj, a learned 2D RoPE frequency."""
-    liere = _pe(gd=2, positions='index')
+    """block = 2: block j rotates by sum_d p_d A_d[1, 0] = -sum_d p_d t_dj, a learned 2D RoPE frequency."""
+    liere = _pe(block=2, positions='index')
     rope = vispe.create_pe('rope_mixed', dim=32, num_heads=2, depth=2, grid_size=(4, 4)).double()
     with torch.no_grad():
         # rope_mixed takes the column (x) first: its axis a is LieRE's axis D - 1 - a
@@ -249,7 +249,7 @@ def test_liere_class_token_is_not_rotated():
 
 
 def test_liere_channels_beyond_whole_blocks_pass_through():
-    pe = _pe(gd=3)  # head dim 16 = 5 blocks of 3 + 1 channel
+    pe = _pe(block=3)  # head dim 16 = 5 blocks of 3 + 1 channel
     q, k = random_qk(17)
     q2, _ = pe.prepare(vispe.grid(4, 4, num_prefix=1)).qk(q, k, layer=0)
     torch.testing.assert_close(q2[..., 15], q[..., 15], rtol=0, atol=0)
@@ -291,7 +291,7 @@ def test_every_liere_layer_receives_gradient_in_a_tiny_vit():
         assert grad[:, layer].abs().sum() > 0, f'layer {layer} generators got no gradient'
 
 
-@pytest.mark.parametrize('spec', ['liere', 'liere:gd=2', 'liere:gd=4,per_layer=false,per_head=false'])
+@pytest.mark.parametrize('spec', ['liere', 'liere:block=2', 'liere:block=4,per_layer=false,per_head=false'])
 def test_liere_tiny_vit_forward_backward(spec):
     assert_tiny_vit_trains_and_runs_larger(spec)
 
@@ -306,7 +306,7 @@ def test_liere_video_and_point_positions():
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1))
 
 
-@pytest.mark.parametrize('option,value', [('gd', '1'), ('gd', '32'), ('positions', 'pixel')])
+@pytest.mark.parametrize('option,value', [('block', '1'), ('block', '32'), ('positions', 'pixel')])
 def test_liere_rejects_bad_options(option, value):
     with pytest.raises(ValueError, match=option):
         vispe.create_pe(f'liere:{option}={value}', dim=32, num_heads=2, grid_size=(4, 4))
@@ -355,3 +355,13 @@ def test_rotations_are_built_in_full_precision_under_autocast(name):
     q = torch.randn(2, 2, 17, 16)
     q2, _ = state.qk(q, q, layer=1)
     torch.testing.assert_close(q2.norm(dim=-1), q.norm(dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_liere_gd_spec_still_loads_as_block_with_a_deprecation_warning():
+    """Specs saved before ``gd`` became ``block`` (configs, checkpoints' model args) build the same encoding."""
+    ctx = vispe.PEContext(dim=32, num_heads=2, depth=1, grid_size=(4, 4))
+    with pytest.warns(DeprecationWarning, match="'gd' of encoding 'liere' is now called 'block'"):
+        old = vispe.create_pe('liere:gd=4', ctx)
+    assert old.block == 4 and old.num_blocks == vispe.create_pe('liere:block=4', ctx).num_blocks
+    with pytest.raises(ValueError, match="both 'gd' and its new name 'block'"):
+        vispe.create_pe({'name': 'liere', 'gd': 4, 'block': 4}, ctx)

@@ -22,7 +22,7 @@ CASES = [
     ('rope_timm', {'rope_type': 'dinov3', 'normalize_coords': 'max'}),
     ('rope_timm', {'rope_type': 'dinov3', 'normalize_coords': 'min', 'min_period': 0.5, 'max_period': 40.0}),
     ('rope_timm', {'rope_type': 'mixed'}), ('rope_timm', {'rope_type': 'mrope', 'rotate_half': True}),
-    ('liere', {}), ('liere', {'gd': 2}), ('liere', {'positions': 'index'}), ('liere', {'positions': 'normalized'}),
+    ('liere', {}), ('liere', {'block': 2}), ('liere', {'positions': 'index'}), ('liere', {'positions': 'normalized'}),
     ('comrope_ap', {}), ('comrope_ap', {'block': 4}), ('comrope_ap', {'normalize': 'train'}),
     ('comrope_ap', {'prefix': 'identity', 'block': 8}), ('comrope_ap', {'ape': True}),
     ('comrope_ld', {}), ('comrope_ld', {'block': 4, 'normalize': 'train'}), ('comrope_ld', {'ape': True, 'block': 4}),

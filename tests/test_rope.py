@@ -190,7 +190,7 @@ def test_rotation_saves_nothing_per_sample_beyond_no_encoding(pe):
     assert extra(2) == extra(6)
 
 
-@pytest.mark.parametrize('spec', ['string_cayley', 'string_circulant', 'liere:gd=2', 'comrope_ld:jitter=0'])
+@pytest.mark.parametrize('spec', ['string_cayley', 'string_circulant', 'liere:block=2', 'comrope_ld:jitter=0'])
 def test_eval_state_holds_complex_tables_and_rotates_like_training(spec):
     """Eval (no gradient, cached state) keeps cos/sin tables instead of angles, so they are not
     rebuilt in every layer of every forward; the rotated q and k equal the training path's."""

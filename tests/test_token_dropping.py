@@ -22,7 +22,7 @@ IN_ATTENTION = {'qk', 'bias', 'value', 'output'}
 VARIANTS = ['rope_axial:grid_mode=normalized', 'rope_axial:scaling=yarn', 'rope_axial:scaling=ntk',
             'rope_axial:scaling=riflex', 'rope2d:scaling=riflex',
             'rope_mixed:scaling=linear', 'rope_timm:rope_type=dinov3', 'liere:positions=normalized',
-            'liere:positions=index', 'liere:gd=2', 'comrope_ap:block=4', 'comrope_ld:normalize=grid',
+            'liere:positions=index', 'liere:block=2', 'comrope_ap:block=4', 'comrope_ld:normalize=grid',
             'gta:grid_mode=normalized', 'irpe:method=euclidean', 'alibi2d:grid_mode=normalized',
             'pape:grid_mode=normalized', 'rope_golden:grid_mode=index', 'rope_spiral:corners=clamp']
 SPECS = [p for p in image_pes() if create_pe(p, dim=DIM, num_heads=HEADS, depth=2, grid_size=TRAIN,

@@ -241,20 +241,20 @@ def invertible_matrices(case):
 
 
 # ------------------------------------------------------------------ encodings end to end
-@pytest.mark.parametrize('spec', ['rope_axial:scaling=yarn', 'rope2d', 'rope_mixed', 'liere:gd=2', 'liere:gd=8',
+@pytest.mark.parametrize('spec', ['rope_axial:scaling=yarn', 'rope2d', 'rope_mixed', 'liere:block=2', 'liere:block=8',
                                   'comrope_ap:block=4', 'comrope_ld:block=8', 'rope_timm:rotate_half=true',
                                   'rope_timm:rope_type=dinov3,rotate_half=true', 'rope_golden',
                                   'rope_spiral:corners=clamp'])
 def test_encoding_trains_identically_with_fused_kernels(run, spec):
     """The q / k hook on a non-square grid larger than the training grid, with a class token; gradients
-    reach q, k and the encoding's parameters alike (LieRE gd 8 on head dim 20: 4 channels pass through;
+    reach q, k and the encoding's parameters alike (LieRE block 8 on head dim 20: 4 channels pass through;
     ComRoPE: per-sample jittered rotations; timm's rotate-half layout: kind ``half_table``; rope2d: a
     ``half_table`` rotation of each axis' channel group)."""
     run(encoding_trains_identically, spec)
 
 
 def encoding_trains_identically(spec):
-    H, hd = 2, 20 if spec == 'liere:gd=8' else 16
+    H, hd = 2, 20 if spec == 'liere:block=8' else 16
     pe = vispe.create_pe(spec, dim=H * hd, num_heads=H, depth=1, grid_size=(2, 3)).to(DEVICE)
     pos = vispe.positions.grid(3, 4, num_prefix=1, train_grid=(2, 3), device=DEVICE)
     qkv, q, k = fused_qkv(H=H, N=pos.num_tokens, hd=hd)

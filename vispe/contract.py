@@ -209,6 +209,7 @@ class PositionalEncoding(nn.Module):
     requires: ClassVar[FrozenSet[str]] = frozenset()
     name: ClassVar[str] = ''
     cache_compiled_state: ClassVar[bool] = False
+    renamed_options: ClassVar[Dict[str, str]] = {}  # old option name -> new, read with a DeprecationWarning by specs
     float32_buffers: ClassVar[FrozenSet[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

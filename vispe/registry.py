@@ -17,6 +17,7 @@ back as a canonical spec string. Errors quote user input cut to 80 characters.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -194,6 +195,13 @@ def _coerce_options(name: str, raw: Mapping[str, Any]) -> Dict[str, Any]:
     entry = _lookup(name)
     out = {}
     for key, value in raw.items():
+        new = entry.cls.renamed_options.get(key)
+        if new is not None:  # a spec saved before the rename (a config, a checkpoint's model args) still loads
+            warnings.warn(f'option {key!r} of encoding {name!r} is now called {new!r}; {key!r} is read as {new!r} '
+                          f'until vispe 0.3', DeprecationWarning, stacklevel=3)
+            if new in raw:
+                raise ValueError(f'encoding {name!r} got both {key!r} and its new name {new!r}; give {new!r} only')
+            key = new
         if key not in entry.options:
             raise unknown_option(key, entry.options, f'encoding {name!r}')
         out[key] = coerce(value, entry.hints.get(key, Any), f'option {key!r} of encoding {name!r}')

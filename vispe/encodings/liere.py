@@ -1,7 +1,7 @@
 """LieRE (Ostmeier et al., ICML 2025, "LieRE: Lie Rotational Positional Encodings").
 
 A token at position ``p`` rotates q and k by ``R(p) = exp(sum_d p_d A_d)`` with learned
-skew-symmetric generators ``A_d``, block-diagonal with dense ``gd x gd`` blocks.
+skew-symmetric generators ``A_d``, block-diagonal with dense ``block x block`` blocks.
 """
 from __future__ import annotations
 
@@ -31,33 +31,34 @@ class LieRE(RotationPE):
     Conventions (the original code, ImageNet configuration):
 
     * per coordinate axis ``d`` a generator ``A_d = T_d - T_d^T`` from the strict upper triangle
-      ``T_d`` of a learned parameter, block-diagonal: the head dim is split into ``hd // gd``
-      consecutive ``gd x gd`` blocks (channels beyond ``gd * (hd // gd)`` are not rotated);
+      ``T_d`` of a learned parameter, block-diagonal: the head dim is split into ``hd // block``
+      consecutive ``block x block`` blocks (channels beyond ``block * (hd // block)`` are not rotated);
     * generators per layer and per head by default (``per_layer``, ``per_head``), as the released
       ImageNet run sets them (``imagenet_224.yaml`` and ``lightning_imagenet.sh``: both on, ``gd`` 8);
       the original ViT reuses layer 0's rotations in every layer through a slicing bug, so the model
       it effectively trains has per-head generators shared by all layers, which ``per_layer=false``
       gives; vispe's default implements per-layer generators as intended;
     * raw parameters (the strict upper triangles, stored packed as ``generators`` with shape
-      ``(D, L', H', hd // gd, gd (gd - 1) / 2)``) initialised uniformly in ``[0, 2 pi)``, as RoPE-Mixed
+      ``(D, L', H', hd // block, block (block - 1) / 2)``) initialised uniformly in ``[0, 2 pi)``, as RoPE-Mixed
       draws its angles; excluded from weight decay;
     * positions per grid axis ``linspace(0, n / n_train, n)`` (``[0, 1]`` at the training size, so a
       larger input reaches beyond 1: extrapolation); point sets are used as given;
     * prefix (class / register) tokens: identity; q and k rotated, v not; the exponential is taken
       in float32 (float64 for float64 parameters).
 
-    Shift invariance: with ``gd = 2`` the blocks are plane rotations, which commute, so LieRE is a
-    learned-frequency 2D RoPE and exactly shift-invariant. With ``gd > 2`` (the default 8) the
+    Shift invariance: with ``block = 2`` the blocks are plane rotations, which commute, so LieRE is a
+    learned-frequency 2D RoPE and exactly shift-invariant. With ``block > 2`` (the default 8) the
     generators do not commute and ``R(p)^T R(p') != R(p' - p)``: a common shift of all positions
     changes the logits. This is the method as published, not a defect to fix.
 
     Cost: ``R`` depends on positions and parameters only; it is built once per forward for all
-    layers and heads (``L' x H' x N x hd/gd`` small exponentials, never per sample; their Taylor
+    layers and heads (``L' x H' x N x hd/block`` small exponentials, never per sample; their Taylor
     part is one GEMM over monomials of the coordinates, then a few squarings) and cached in eval
-    mode; ``gd = 2`` uses the closed form (cos / sin) and the pair-rotation kernel.
+    mode; ``block = 2`` uses the closed form (cos / sin) and the pair-rotation kernel.
 
     Args:
-        gd: generator block size (8 in the paper's ImageNet setting; 2 = learned-frequency RoPE).
+        block: generator block size (the paper's ``gd``; 8 in its ImageNet setting; 2 = learned-frequency
+            RoPE). ComRoPE's ``block`` is the same concept; specs saying ``gd`` still load, with a warning.
         per_layer: separate generators in every attention layer.
         per_head: separate generators for every head.
         num_axes: coordinate axes D (default: the host grid's, else 2).
@@ -69,12 +70,13 @@ class LieRE(RotationPE):
     shift_invariant = False
     paper = 'Ostmeier et al., ICML 2025 (LieRE), arXiv:2406.10322'
     cache_compiled_state = True  # eval rotations are exponentials: costly to rebuild in every compiled forward
+    renamed_options = {'gd': 'block'}  # the paper's name, ComRoPE's ``block`` for the same concept
 
     def __init__(
             self,
             ctx: PEContext,
             *,
-            gd: int = 8,
+            block: int = 8,
             per_layer: bool = True,
             per_head: bool = True,
             num_axes: Optional[int] = None,
@@ -82,27 +84,27 @@ class LieRE(RotationPE):
             init_scale: float = 2 * math.pi,
     ) -> None:
         super().__init__(ctx)
-        if gd < 2 or gd > ctx.head_dim:
-            raise ValueError(f"option gd of encoding 'liere' must be in [2, head_dim={ctx.head_dim}], got {gd}")
+        if block < 2 or block > ctx.head_dim:
+            raise ValueError(f"option block of encoding 'liere' must be in [2, head_dim={ctx.head_dim}], got {block}")
         check_nonnegative('liere', 'init_scale', init_scale)
         if init_scale > 1e3:  # angles that wrap thousands of times per patch are noise (and overflow expm)
             raise ValueError(f"option 'init_scale' of encoding 'liere' must be at most 1000, got {init_scale}")
-        self.gd = gd
-        self.rotation_kind = 'pair' if gd == 2 else 'block'
-        self.num_blocks = ctx.head_dim // gd
+        self.block = block
+        self.rotation_kind = 'pair' if block == 2 else 'block'
+        self.num_blocks = ctx.head_dim // block
         self.num_axes = resolve_num_axes(ctx, num_axes, 'liere')
         self.positions = positions
-        self.shift_invariant = gd == 2  # per instance: only 2x2 blocks commute
+        self.shift_invariant = block == 2  # per instance: only 2x2 blocks commute
         layers, heads = heads_and_layers(ctx, per_layer, per_head)
         self.generators = nn.Parameter(
-            torch.rand(self.num_axes, layers, heads, self.num_blocks, gd * (gd - 1) // 2) * init_scale)
+            torch.rand(self.num_axes, layers, heads, self.num_blocks, block * (block - 1) // 2) * init_scale)
 
     def no_weight_decay(self) -> set:
         return {'generators'}
 
     def axis_generators(self) -> torch.Tensor:
-        """Skew-symmetric blocks ``(D, L', H', hd // gd, gd, gd)`` in the compute dtype."""
-        return skew_from_upper(self.generators.to(self.compute_dtype()), self.gd)
+        """Skew-symmetric blocks ``(D, L', H', hd // block, block, block)`` in the compute dtype."""
+        return skew_from_upper(self.generators.to(self.compute_dtype()), self.block)
 
     @staticmethod
     def linspace_steps(grid: Tuple[int, ...], train: Tuple[int, ...]) -> List[float]:
@@ -134,5 +136,5 @@ class LieRE(RotationPE):
                              sample_squarings=pos.index_grids is not None, cache=self.tensor_cache)
 
     def extra_repr(self) -> str:
-        return (f'gd={self.gd}, blocks={self.num_blocks}, axes={self.num_axes}, '
+        return (f'block={self.block}, blocks={self.num_blocks}, axes={self.num_axes}, '
                 f'generators={tuple(self.generators.shape)}')
