@@ -1,7 +1,6 @@
 """`vispe.doctor` finds the position bugs public projects shipped, rebuilt on tiny models, and raises no
 false alarm on stock timm, transformers and diffusers models, on patched models, or on any registered
 vispe encoding; it never changes the model it checks."""
-import copy
 import subprocess
 import sys
 
@@ -242,7 +241,8 @@ def test_sections_that_do_not_cover_the_head_are_flagged():
 # ---------------------------------------------------------------------------------------------- no false alarm
 STOCK_TIMM = [('vit_tiny_patch16_224', {}), ('vit_tiny_patch16_224', dict(dynamic_img_size=True)),
               ('deit_tiny_distilled_patch16_224', dict(dynamic_img_size=True)),
-              ('eva02_tiny_patch14_224.mim_in22k', {}), ('vit_small_patch16_rope_mixed_224', dict(dynamic_img_size=True)),
+              ('eva02_tiny_patch14_224.mim_in22k', {}),
+              ('vit_small_patch16_rope_mixed_224', dict(dynamic_img_size=True)),
               ('vit_base_patch16_dinov3', dict(dynamic_img_size=True))]
 
 

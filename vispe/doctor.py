@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import checks as C
@@ -320,11 +319,7 @@ def _position_maps(pe: PositionalEncoding, pos: Positions, x: torch.Tensor, q: t
 def _encoding_padded(ctx: _Context, subject: str, pe: PositionalEncoding, axes: int) -> C.CheckResult:
     grids = [(3, 4), (2, 2)] if axes == 2 else [(2, 2, 3), (1, 2, 2)]
     P = pe.ctx.num_prefix_tokens
-    try:
-        pos = naflex_grid(grids, num_prefix=P, train_grid=pe.ctx.grid_size, dtype=torch.float64)
-    except TypeError:
-        pos = naflex_grid(grids, num_prefix=P, train_grid=pe.ctx.grid_size)
-        pos = Positions(**{**pos.__dict__, 'coords': pos.coords.double()})
+    pos = naflex_grid(grids, num_prefix=P, train_grid=pe.ctx.grid_size, dtype=torch.float64)
     B, N = len(grids), pos.num_tokens
     x, q, k, v = _tokens(ctx, pe, N, batch=B)
     pad = torch.cat([torch.zeros(B, P, dtype=torch.bool), pos.key_padding_mask], 1)
@@ -573,8 +568,8 @@ def _hf_table(ctx: _Context, name: str, emb: nn.Module) -> C.CheckResult:
     side = int(math.isqrt(n))
     prefix = n - side * side
     stored = table[0, prefix:].reshape(side, side, dim)
-    patch = emb.patch_size if isinstance(emb.patch_size, int) else emb.patch_size[0] if hasattr(emb, 'patch_size') \
-        else emb.config.patch_size
+    patch = getattr(emb, 'patch_size', None) or emb.config.patch_size
+    patch = patch if isinstance(patch, int) else patch[0]
     new = (side + 3, side + 1)
     tokens = torch.zeros(1, prefix + math.prod(new), dim, dtype=table.dtype, device=table.device)
     resized = emb.interpolate_pos_encoding(tokens, new[0] * patch, new[1] * patch)
@@ -739,24 +734,19 @@ def _interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def _flux_checks(ctx: _Context, name: str, pe: nn.Module, head_dim: int) -> List[C.CheckResult]:
-    ns = sys.modules.get('diffusers.models.embeddings')
-    apply_fn = getattr(ns, 'apply_rotary_emb', None)
+    apply_fn = getattr(_namespace(pe), 'apply_rotary_emb', None)  # what FLUX's attention processor calls
 
-    def tables(mod, shape, dtype):
-        ids = torch.cat([torch.zeros(math.prod(shape), 1), _raster(shape).float()], -1)
-        return mod(ids.to(dtype=dtype if dtype != torch.float64 else torch.float32))
+    def tables(mod, shape, dtype):  # ids (index, row, column), as the pipeline builds them; no activations read
+        return mod(torch.cat([torch.zeros(math.prod(shape), 1), _raster(shape).float()], -1))
 
     def apply(q, k, cs):
         if apply_fn is not None:  # the library's own, as its attention processor calls it
             return (apply_fn(q, cs, sequence_dim=2), apply_fn(k, cs, sequence_dim=2))
         return _interleaved(q, *cs), _interleaved(k, *cs)
 
-    site = RotarySite(name, pe, tables, _raster, apply, sum(pe.axes_dim), sections=(pe.axes_dim, False))
-    out = _rotary_checks(ctx, site)
-    out = [r if r.check != 'head_split' else C.head_split(pe.axes_dim, head_dim, per_pair=False, subject=name)
-           for r in out]
-    out.extend(_flux_ids(ctx, name))
-    return out
+    out = _rotary_checks(ctx, RotarySite(name, pe, tables, _raster, apply, sum(pe.axes_dim)))
+    out.append(C.head_split(pe.axes_dim, head_dim, per_pair=False, subject=name))
+    return out + _flux_ids(ctx, name)
 
 
 def _flux_ids(ctx: _Context, name: str) -> List[C.CheckResult]:
@@ -907,7 +897,8 @@ def _image_results(ctx: _Context, model: nn.Module, note: str, at_least: float) 
     a = r.run(_patches_image(patches, shape, p))[:, r.prefix:]
     b = r.run(_patches_image(patches[:, perm], shape, p))[:, r.prefix:]
     out.append(C.moves_output(a, b[:, torch.argsort(perm)], at_least=at_least, subject=s,
-                              what=f'patch outputs of an image against those of its {n} patches permuted, permuted back'))
+                              what=f'patch outputs of an image against those of its {n} patches permuted, permuted '
+                              'back'))
     if not r.dynamic:
         out.append(C.not_applicable('grid_change', s, f'the model takes one input size {r.native}'))
         return [_noted(x, note) for x in out]
