@@ -290,8 +290,18 @@ def test_patched_models_pass():
     patch_detr(model, 'rope_mixed')
     report = doctor(model, progress=False)
     assert report.ok, str(report)
-    assert 'patch_detr.encoding (rope_mixed)' in {r.subject for r in report.passed} or \
-        any('rope_mixed' in r.subject for r in report.passed)
+    assert any('rope_mixed' in r.subject for r in report.passed)
+    open_clip = pytest.importorskip('open_clip')
+    from vispe.integrations import use_pe
+    torch.manual_seed(0)
+    model = open_clip.CLIP(embed_dim=16, vision_cfg=dict(timm_model_name='vit_tiny_patch16_224', image_size=224,
+                                                         timm_model_pretrained=False, timm_pool='token',
+                                                         timm_proj='linear'),
+                           text_cfg=dict(context_length=8, vocab_size=64, width=32, heads=2, layers=1)).eval()
+    use_pe(model, 'rope_axial')
+    report = doctor(model, progress=False)
+    assert report.ok, str(report)
+    assert any('rope_axial' in r.subject and r.check == 'relative_logits' for r in report.passed)
 
 
 def _encoding_model(spec):
@@ -364,15 +374,29 @@ def test_the_doctor_refuses_what_is_not_a_module():
         doctor('vit_small_patch16_224')
 
 
-def test_command_line_doctor_runs_beside_the_encoding_table():
+def test_python_m_vispe_doctor_runs():
     out = subprocess.run([sys.executable, '-m', 'vispe', 'doctor', 'vit_tiny', '--no-progress', '--model-args',
                           'pe=rope_axial,embed_dim=32,depth=2,num_heads=2,img_size=32,patch_size=8'],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert 'relative_logits' in out.stdout and '0 failed' in out.stdout
-    bad = subprocess.run([sys.executable, '-m', 'vispe', 'doctor', 'vit_tiny_patch16_224', '--no-progress',
-                          '--model-args', 'img_size=32,patch_size=8,embed_dim=32,depth=1,num_heads=2',
-                          '--resample-mode', 'bilinear'], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 0, bad.stderr  # a fixed-size model is never resampled: nothing to flag
-    table = subprocess.run([sys.executable, '-m', 'vispe', '--help'], capture_output=True, text=True, timeout=300)
-    assert table.returncode == 0 and '--markdown' in table.stdout, table.stderr  # the table's own options
+
+
+def test_command_line_exit_code_says_whether_a_check_failed(monkeypatch, capsys, tmp_path):
+    from vispe.__main__ import doctor_main, main
+    tiny = 'img_size=32,patch_size=8,embed_dim=32,depth=1,num_heads=2'
+    assert doctor_main(['vit_tiny_patch16_224', '--no-progress', '--model-args', tiny + ',dynamic_img_size=true']) == 0
+    assert doctor_main(['vit_tiny_patch16_224', '--no-progress', '--model-args', tiny + ',dynamic_img_size=true',
+                        '--resample-mode', 'bilinear']) == 1
+    assert 'failed  resample_mode' in capsys.readouterr().out
+    config = tmp_path / 'model.json'
+    config.write_text('{"model": {"name": "vit_tiny", "pe": "rope_mixed", "kwargs": {"patch_size": 8, '
+                      '"embed_dim": 32, "depth": 1, "num_heads": 2}}, "data": {"img_size": 32}}')
+    assert doctor_main([str(config), '--no-progress']) == 0
+    assert 'pe (rope_mixed)' in capsys.readouterr().out
+    with pytest.raises(SystemExit, match='key=value'):
+        doctor_main(['vit_tiny', '--model-args', 'depth'])
+    monkeypatch.setattr(sys, 'argv', ['vispe', '--help'])  # the encoding table's own options are kept
+    with pytest.raises(SystemExit):
+        main()
+    assert '--markdown' in capsys.readouterr().out
