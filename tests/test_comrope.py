@@ -4,6 +4,7 @@ import timm
 import torch
 
 import vispe
+from vispe import checks
 from vispe.rotary.expm import linear_exp
 from conftest import TINY, assert_tiny_vit_trains_and_runs_larger, random_qk, rotated_logits
 
@@ -23,12 +24,11 @@ def test_comrope_is_shift_invariant(name, axes, block):
     coords = torch.rand(9, axes, dtype=torch.float64) * 3
     shift = torch.randn(axes, dtype=torch.float64) * 5
     q, k = random_qk(10)
-    a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = rotated_logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
-    # every logit, class token included: it sits at the points' mean, which shifts with them
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    c = rotated_logits(pe, vispe.points(coords * 1.5, num_prefix=1), q, k)
-    assert (a - c).abs().max() > 1e-3
+
+    def logits(c):  # every logit, class token included: it sits at the points' mean, which shifts with them
+        return rotated_logits(pe, vispe.points(c, num_prefix=1), q, k)
+    assert checks.shift_invariance(logits, coords, shift, atol=1e-10, rtol=0).passed
+    assert checks.moves_output(logits(coords), logits(coords * 1.5), at_least=1e-3, relative=False).passed
 
 
 @pytest.mark.parametrize('name', VARIANTS)

@@ -19,12 +19,13 @@ VISPE_LAYERS: List[Tuple[str, ...]] = [
     ('vispe.contract',),  # what an encoding is: the hooks, PEContext, PreparedPE
     ('vispe.registry', 'vispe.rotary'),
     ('vispe.encodings', 'vispe.multimodal'),
+    ('vispe.checks',),  # position properties as checks: used by the tests and by vispe.doctor
     ('vispe.attention', 'vispe.cross_attention', 'vispe.weights', 'vispe.naflex'),
     ('vispe.layers',),  # PE-aware timm attention and blocks
     ('vispe.host',),
     ('vispe.vit',),
     ('vispe.zoo', 'vispe.released'),  # checkpoints released with papers, loaded into vispe ViTs
-    ('vispe.integrations',),  # adapters into other libraries' models
+    ('vispe.integrations', 'vispe.doctor'),  # adapters into other libraries' models; the check of any model
     ('vispe', 'vispe.__main__'),
 ]
 PACKAGES = {'vispe': 'vispe', 'vispe_models': 'models', 'vispe_train': 'train'}

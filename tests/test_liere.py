@@ -6,6 +6,7 @@ import timm
 import torch
 
 import vispe
+from vispe import checks
 from vispe.rotary import apply_pair_rotation, apply_rotation, rotate_qk
 from vispe.rotary.expm import expm_skew, linear_exp
 from vispe.rotary.kernels import apply_block_rotation, fourier_rotation
@@ -193,10 +194,10 @@ def test_liere_gd2_is_shift_invariant(axes):
     coords = torch.rand(9, axes, dtype=torch.float64) * 3
     shift = torch.randn(axes, dtype=torch.float64) * 5
     q, k = random_qk(10)
-    a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = rotated_logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
-    # between patches; the class token is not rotated, so its logits see absolute positions
-    torch.testing.assert_close(a[..., 1:, 1:], b[..., 1:, 1:], rtol=0, atol=1e-10)
+
+    def patch_logits(c):  # between patches; the class token is not rotated, so its logits see absolute positions
+        return rotated_logits(pe, vispe.points(c, num_prefix=1), q, k)[..., 1:, 1:]
+    assert checks.shift_invariance(patch_logits, coords, shift, atol=1e-10, rtol=0).passed
 
 
 @pytest.mark.parametrize('axes', [2, 3])
@@ -205,9 +206,11 @@ def test_liere_gd8_is_not_shift_invariant(axes):
     pe = _pe(axes, block=8)
     coords = torch.rand(9, axes, dtype=torch.float64)
     q, k = random_qk(10)
-    a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = rotated_logits(pe, vispe.points(coords + 0.5, num_prefix=1), q, k)
-    assert (a - b)[..., 1:, 1:].abs().max() > 1e-2
+
+    def patch_logits(c):
+        return rotated_logits(pe, vispe.points(c, num_prefix=1), q, k)[..., 1:, 1:]
+    shifted = checks.shift_invariance(patch_logits, coords, torch.full((axes,), 0.5, dtype=torch.float64), rtol=0)
+    assert shifted.failed and shifted.measured > 1e-2
     assert not pe.shift_invariant and _pe(axes, block=2).shift_invariant
 
 

@@ -6,6 +6,7 @@ import timm
 import torch
 
 import vispe
+from vispe import checks
 from vispe.rotary import apply_pair_rotation, axial_frequencies, rotation_table, scale_frequencies
 from conftest import TINY, random_qk
 
@@ -28,13 +29,12 @@ def test_rope_logits_are_shift_invariant(name, axes):
     coords = torch.rand(10, axes, dtype=torch.float64) * 7
     shift = torch.randn(axes, dtype=torch.float64) * 5
     q, k = torch.randn(2, 2, 11, 32, dtype=torch.float64), torch.randn(2, 2, 11, 32, dtype=torch.float64)
-    a = _logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = _logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
-    # between patch tokens; the unrotated class token sees absolute positions (as in RoPE-ViT)
-    torch.testing.assert_close(a[..., 1:, 1:], b[..., 1:, 1:], rtol=0, atol=1e-10)
+
+    def patch_logits(c):  # between patch tokens; the unrotated class token sees absolute positions (as in RoPE-ViT)
+        return _logits(pe, vispe.points(c, num_prefix=1), q, k)[..., 1:, 1:]
+    assert checks.shift_invariance(patch_logits, coords, shift, atol=1e-10, rtol=0).passed
     # and the logits do depend on relative positions
-    c = _logits(pe, vispe.points(coords * 1.5, num_prefix=1), q, k)
-    assert (a - c)[..., 1:, 1:].abs().max() > 1e-3
+    assert checks.moves_output(patch_logits(coords), patch_logits(coords * 1.5), at_least=1e-3, relative=False).passed
 
 
 @pytest.mark.parametrize('name', ['rope_axial', 'rope_mixed'])

@@ -4,6 +4,7 @@ import timm
 import torch
 
 import vispe
+from vispe import checks
 from conftest import TINY, assert_tiny_vit_trains_and_runs_larger, random_qk, rotated_logits
 
 VARIANTS = ['string_cayley', 'string_circulant']
@@ -32,11 +33,11 @@ def test_string_is_shift_invariant(name, axes):
     coords = torch.rand(9, axes, dtype=torch.float64) * 6
     shift = torch.randn(axes, dtype=torch.float64) * 5
     q, k = random_qk(10)
-    a = rotated_logits(pe, vispe.points(coords, num_prefix=1), q, k)
-    b = rotated_logits(pe, vispe.points(coords + shift, num_prefix=1), q, k)
-    torch.testing.assert_close(a[..., 1:, 1:], b[..., 1:, 1:], rtol=0, atol=1e-10)
-    c = rotated_logits(pe, vispe.points(coords * 1.5, num_prefix=1), q, k)
-    assert (a - c)[..., 1:, 1:].abs().max() > 1e-3
+
+    def patch_logits(c):
+        return rotated_logits(pe, vispe.points(c, num_prefix=1), q, k)[..., 1:, 1:]
+    assert checks.shift_invariance(patch_logits, coords, shift, atol=1e-10, rtol=0).passed
+    assert checks.moves_output(patch_logits(coords), patch_logits(coords * 1.5), at_least=1e-3, relative=False).passed
 
 
 @pytest.mark.parametrize('name', VARIANTS)

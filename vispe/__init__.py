@@ -17,6 +17,7 @@ from .zoo import convert, timm_pe_spec, unwrap_timm_entrypoints, wrap_timm_entry
 from .naflex import naflex_batch, naflex_positions, naflex_size
 from .cameras import Cameras, plucker_rays
 from . import multimodal
+from .doctor import doctor
 
 __version__ = '0.1.0'
 
@@ -27,5 +28,5 @@ __all__ = [
     'PEAttention', 'pe_attention', 'VisionTransformer', 'load_timm_checkpoint', 'convert', 'timm_pe_spec',
     'wrap_timm_entrypoints', 'unwrap_timm_entrypoints',
     'naflex_batch', 'naflex_size', 'naflex_positions',
-    'Cameras', 'plucker_rays', 'multimodal',
+    'Cameras', 'plucker_rays', 'multimodal', 'doctor',
 ]

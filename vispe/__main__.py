@@ -1,14 +1,21 @@
-"""``python -m vispe``: build a ViT with every registered encoding and print the encoding table.
+"""``python -m vispe``: build a ViT with every registered encoding and print the encoding table; ``python -m
+vispe doctor``: check a model's position code (`vispe.doctor`).
 
     python -m vispe                 # plain-text table, parameter counts on ViT-S/16
     python -m vispe --markdown      # the encoding table of the README and the docs
     python -m vispe --model vit_base
+    python -m vispe doctor vit_small_patch16_224                 # a timm (or vispe) model, random weights
+    python -m vispe doctor vit_small --pe rope_mixed             # a vispe ViT with an encoding
+    python -m vispe doctor configs/quickstart.yaml               # the model of a training config
 """
 from __future__ import annotations
 
 import argparse
 import functools
-from typing import Dict, List
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 import timm
 import torch
@@ -72,8 +79,84 @@ def markdown_table(model: str = 'vit_small') -> str:
     return '\n'.join(lines)
 
 
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _model_args(text: Optional[str]) -> Dict[str, Any]:
+    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}`` (values read as JSON where they parse)."""
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(','):
+        key, sep, value = item.partition('=')
+        if not sep or not key.strip():
+            raise SystemExit(f'--model-args takes key=value pairs separated by commas, got {item!r}')
+        out[key.strip()] = _value(value.strip())
+    return out
+
+
+def _config_model(path: Path) -> Dict[str, Any]:
+    """``timm.create_model`` arguments from a training config (``model.name``, ``model.pe``, ``model.kwargs``,
+    ``data.img_size``)."""
+    if path.suffix == '.json':
+        cfg = json.loads(path.read_text())
+    else:
+        try:
+            import yaml
+        except ImportError as e:
+            raise SystemExit('reading a YAML config needs pyyaml: pip install "vispe[train]"') from e
+        cfg = yaml.safe_load(path.read_text())
+    model = (cfg or {}).get('model') or {}
+    if 'name' not in model:
+        raise SystemExit(f'{path}: a config for the doctor names its model (model.name: a timm name)')
+    kwargs = dict(model.get('kwargs') or {})
+    if model.get('pe') is not None:
+        kwargs['pe'] = model['pe']
+    img = ((cfg.get('data') or {}).get('img_size'))
+    if img is not None and 'img_size' not in kwargs:
+        kwargs['img_size'] = img
+    return dict(name=model['name'], **kwargs)
+
+
+def doctor_main(argv: Sequence[str]) -> int:
+    """``python -m vispe doctor``: 0 when every check passed (or does not apply), 1 when one failed."""
+    from . import doctor
+    ap = argparse.ArgumentParser(prog='python -m vispe doctor',
+                                 description='Check the positional encoding of a model (vispe.doctor).')
+    ap.add_argument('model', help='a timm model name (vispe names too) or a training config (.yaml / .json)')
+    ap.add_argument('--pe', help='the encoding of a vispe model (timm.create_model(..., pe=...))')
+    ap.add_argument('--model-args', help='further timm.create_model arguments: key=value,key=value')
+    ap.add_argument('--pretrained', action='store_true', help='load pretrained weights (downloads)')
+    ap.add_argument('--resample-mode', help='the resampling mode the table was released with (bilinear, bicubic)')
+    ap.add_argument('--no-progress', action='store_true', help='no progress bar')
+    args = ap.parse_args(list(argv))
+    path = Path(args.model)
+    if path.suffix in ('.yaml', '.yml', '.json'):
+        if not path.is_file():
+            raise SystemExit(f'config {path} not found')
+        kwargs = _config_model(path)
+        name = kwargs.pop('name')
+    else:
+        name, kwargs = args.model, {}
+    if args.pe is not None:
+        kwargs['pe'] = args.pe
+    kwargs.update(_model_args(args.model_args))
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=args.pretrained, **kwargs)
+    report = doctor(model, resample_mode=args.resample_mode, progress=not args.no_progress)
+    print(report)
+    return 0 if report.ok else 1
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description='List vispe encodings with the facts of each.')
+    if len(sys.argv) > 1 and sys.argv[1] == 'doctor':
+        sys.exit(doctor_main(sys.argv[2:]))
+    ap = argparse.ArgumentParser(description='List vispe encodings with the facts of each; '
+                                             '`python -m vispe doctor MODEL` checks a model (vispe.doctor).')
     ap.add_argument('--model', default='vit_small', help='host model for parameter counts')
     ap.add_argument('--markdown', action='store_true', help='print the table of the README and the docs')
     args = ap.parse_args()
