@@ -54,6 +54,17 @@ def _separable_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[i
     return torch.cat([prefix, grid.to(table.dtype)], dim=1)
 
 
+def _weights_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[int], num_prefix: int, mode: str,
+                      antialias: bool) -> torch.Tensor:
+    """The 2D resampling of `F.interpolate` as one ``(new, old)`` weight matrix over the table's grid rows,
+    each weight the product of a row weight and a column weight (the form of transformers' SigLIP 2
+    ``resize_positional_embeddings``, whose rounding it reproduces)."""
+    prefix, rows_in = table[:, :num_prefix], table[:, num_prefix:].float().reshape(-1, table.shape[-1])
+    rows, cols = (_axis_map(o, n, mode, antialias, table.device) for o, n in zip(old, new))
+    weights = (rows[:, None, :, None] * cols[None, :, None, :]).reshape(math.prod(new), math.prod(old))
+    return torch.cat([prefix, (weights @ rows_in).unsqueeze(0).to(table.dtype)], dim=1)
+
+
 @register_pe('learned', family='baseline')
 class LearnedPE(AdditivePE):
     """timm's learned absolute position table (Dosovitskiy et al., ICLR 2021).
@@ -68,6 +79,9 @@ class LearnedPE(AdditivePE):
         interpolation: resampling mode for other grids.
         antialias: antialias when downsampling the table (bicubic and bilinear only; nearest has none).
         init_std: std of the truncated-normal init (0: a zero table).
+        resample: how a 2D table is resampled: ``'interpolate'`` (timm's `resample_abs_pos_embed`) or
+            ``'weights'`` (the same resampling as one weight matrix over the rows, transformers' SigLIP 2
+            form; equal up to float rounding, and to the rounding of that host).
     """
     larger_input = 'resample'
     paper = 'Dosovitskiy et al., ICLR 2021 (ViT); timm layout'
@@ -79,12 +93,14 @@ class LearnedPE(AdditivePE):
             interpolation: Literal['bicubic', 'bilinear', 'nearest'] = 'bicubic',
             antialias: bool = True,
             init_std: float = 0.02,
+            resample: Literal['interpolate', 'weights'] = 'interpolate',
     ) -> None:
         super().__init__(ctx)
         if ctx.grid_size is None:
             raise ValueError("encoding 'learned' needs the training grid: pass grid_size=(h, w) to create_pe")
         self.interpolation = interpolation
         self.antialias = antialias and interpolation != 'nearest'  # F.interpolate cannot antialias nearest
+        self.resample = resample
         self.num_table_prefix = ctx.num_prefix_tokens if ctx.embed_prefix else 0
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_table_prefix + math.prod(ctx.grid_size), ctx.dim))
         if check_nonnegative(self.name, 'init_std', init_std):
@@ -96,6 +112,8 @@ class LearnedPE(AdditivePE):
     def _resample(self, table: torch.Tensor, new: Sequence[int], old: Sequence[int]) -> torch.Tensor:
         if static_equal(new, old):  # symbolic sizes resample (the identity when equal) rather than specialize
             return table
+        if len(new) == 2 and self.resample == 'weights':
+            return _weights_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
         if len(new) == 2 and is_tracing():
             return _separable_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
         if len(new) == 2:

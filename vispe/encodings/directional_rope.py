@@ -105,7 +105,9 @@ class DirectionalRope(MixedAnglePE):
     """`MixedAnglePE` with fixed frequency vectors ``(2, 1, H', hd/2)``: one table for every layer.
 
     The vectors are a non-persistent buffer: they follow from the options, so checkpoints of a model
-    with a directional RoPE carry none of them.
+    with a directional RoPE carry none of them. They stay float32 when the model is cast to half
+    precision (``.to(torch.bfloat16)``, ``.half()``): a rounded frequency turns every angle by a rounding
+    error that grows with the position (a float64 cast is followed, for float64 references).
     """
     larger_input = 'interpolate'
 
@@ -114,6 +116,13 @@ class DirectionalRope(MixedAnglePE):
         super().__init__(ctx, grid_mode if grid_mode != 'image' else 'index', 2)
         self.grid_mode = grid_mode
         self.register_buffer('freqs', freqs.to(torch.float32), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        exact = self.freqs
+        out = super()._apply(fn, recurse)
+        if self.freqs.dtype in (torch.float16, torch.bfloat16):  # a half-precision cast: keep float32 values
+            self.freqs = exact.to(device=self.freqs.device, dtype=torch.float32)
+        return out
 
 
 @register_pe('rope_golden')
