@@ -315,3 +315,22 @@ def test_attention_called_outside_the_patched_forward_says_why():
     model = build('vit')
     with patch_vision(model, 'rope_mixed'), pytest.raises(RuntimeError, match='called without vispe_prepared='):
         model.layers[0].attention(torch.randn(1, 17, 32))
+
+
+# ------------------------------------------------------------------ the learned table's 'weights' resampling
+@pytest.mark.parametrize('grid', [(6, 5), (3, 5), (2, 2), (4, 4), (8, 3)])
+def test_learned_weights_resampling_is_siglip2s_resize(grid):
+    """``learned:resample=weights`` computes SigLIP 2's ``resize_positional_embeddings`` (bilinear, antialiased)
+    to its rounding, and the ``interpolate`` form to float rounding."""
+    from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionEmbeddings
+    ctx = vispe.PEContext(dim=32, grid_size=(4, 4))
+    weights = vispe.create_pe('learned:interpolation=bilinear,antialias=true,resample=weights,init_std=1', ctx)
+    interpolate = vispe.create_pe('learned:interpolation=bilinear,antialias=true,init_std=1', ctx)
+    interpolate.load_state_dict(weights.state_dict())
+    table = weights.pos_embed.detach().reshape(4, 4, 32)
+    host = Siglip2VisionEmbeddings.resize_positional_embeddings(table, torch.tensor([grid]), math.prod(grid))[0]
+    with torch.no_grad():
+        ours = weights.embedding(vispe.positions.grid(*grid, train_grid=(4, 4)))[0]
+        theirs = interpolate.embedding(vispe.positions.grid(*grid, train_grid=(4, 4)))[0]
+    assert (ours - host).abs().max().item() <= 1.2e-7
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-6)
