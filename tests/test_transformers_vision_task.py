@@ -33,6 +33,7 @@ def test_task_trains_two_steps_sweeps_sizes_and_rebuilds(tmp_path, family, pe):
     model.load_state_dict(best['model'])
     assert any('vispe_pe' in k for k in best['model'])
     assert model.patch.encoding.name == (pe or 'learned')
+    assert result.best['metric'] == 'top1'
     with torch.no_grad():
         assert model.eval()(torch.randn(1, 3, 48, 40)).shape == (1, 4)
 

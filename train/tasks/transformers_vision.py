@@ -100,42 +100,43 @@ class TransformersVisionTask(ClassificationTask):
                               f'{patch} (model.config.patch_size)')
 
     # ------------------------------------------------------------------ model
-    def _spec(self) -> Dict[str, Any]:
+    def _spec(self, pe: vispe.registry.PESpec) -> Dict[str, Any]:
+        """The recipe of the model: the classifier, and under ``kwargs`` its encoding (null resolved to the
+        model's own spec, which also labels the run), classes and config."""
         m = self.cfg.model
-        return dict(name=CLASSIFIERS[m.family][1], family=m.family, pe=m.pe, pretrained=m.pretrained, num_classes=self._num_classes(),
-                    config=dict(m.config, image_size=self.cfg.data.img_size))
+        return dict(name=CLASSIFIERS[m.family][1], family=m.family, pretrained=m.pretrained,
+                    kwargs=dict(pe=pe, num_classes=self._num_classes(),
+                                config=dict(m.config, image_size=self.cfg.data.img_size)))
 
     def _build(self, spec: Dict[str, Any], load: bool) -> VisionClassifier:
         transformers = require('transformers', 'the transformers_vision task')
         config_cls, model_cls = (getattr(transformers, n) for n in CLASSIFIERS[spec['family']])
+        kwargs = spec['kwargs']
         try:
             if spec['pretrained'] and load:
-                model = model_cls.from_pretrained(spec['pretrained'], num_labels=spec['num_classes'],
+                model = model_cls.from_pretrained(spec['pretrained'], num_labels=kwargs['num_classes'],
                                                   ignore_mismatched_sizes=True)
             else:
-                model = model_cls(config_cls(num_labels=spec['num_classes'], **spec['config']))
+                model = model_cls(config_cls(num_labels=kwargs['num_classes'], **kwargs['config']))
         except TypeError as e:
             raise ConfigError(f'model.config: {e}') from None
         try:
-            handle = patch_vision(model, spec['pe'])
+            handle = patch_vision(model, kwargs['pe'])
         except ValueError as e:
             raise ConfigError(f'model.pe: {e}') from None
         _logger.info('%s with pe=%s: %s', type(model).__name__, handle.encoding.name, handle.report)
         return VisionClassifier(model, handle)
 
     def build_model(self) -> nn.Module:
-        return self._build(self._spec(), load=True)
+        return self._build(self._spec(self.cfg.model.pe), load=True)
 
     def model_spec(self, model: nn.Module) -> Dict[str, Any]:
-        return self._spec()
+        return self._spec(model.patch.spec)
 
     def rebuild_model(self, spec: Dict[str, Any]) -> nn.Module:
         if self.cfg.data.kind == 'folder':
             self._num_classes()  # class mapping for the eval folder
         return self._build(spec, load=False)  # the checkpoint's state dict follows
-
-    def chance_level(self, spec: Dict[str, Any]) -> Optional[float]:
-        return 100.0 / spec['num_classes']
 
     def eval_dataset(self, size: Optional[int] = None, max_tokens: Optional[int] = None):
         if size is not None and size % self.cfg.model.config.get('patch_size', 16):

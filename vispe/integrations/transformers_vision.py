@@ -313,15 +313,17 @@ class VisionPatch(ModelPatch):
     Attributes:
         tower: the patched vision encoder; ``tower_name``: its name in the model (``''``: the model itself).
         family: the `VisionFamily`; ``encoding``: the vispe encoding (also ``<tower>.vispe_pe``).
+        spec: the encoding's spec (``pe=None`` resolved to the model's own, `own_spec`).
         report: what the encoding took from the host's position weights (`vispe.weights.LoadReport`).
         replaced: ``(owner, attribute)`` of everything replaced or hooked, for the record.
     """
     adapter = 'patch_vision'
 
     def __init__(self, model: nn.Module, tower: nn.Module, tower_name: str, family: VisionFamily,
-                 encoding: PositionalEncoding, report: LoadReport) -> None:
+                 encoding: PositionalEncoding, spec: PESpec, report: LoadReport) -> None:
         super().__init__(model)
-        self.tower, self.tower_name, self.family, self.encoding, self.report = tower, tower_name, family, encoding, report
+        self.tower, self.tower_name, self.family, self.encoding = tower, tower_name, family, encoding
+        self.spec, self.report = spec, report
         self._forwards: List[PreparedPE] = []  # the prepared encoding of the forward running, for the embeddings
 
     # ------------------------------------------------------------------ one forward
@@ -514,7 +516,7 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
     if ref.dtype != torch.float32:  # the model's dtype, as `nn.Module.to` would give it
         encoding.to(dtype=ref.dtype)
     encoding.train(tower.training)  # registered into a model that may already be in eval mode
-    handle = VisionPatch(model, tower, tower_name, family, encoding, report)
+    handle = VisionPatch(model, tower, tower_name, family, encoding, pe, report)
     handle._install(layers)
     _logger.info('vispe: patched %s (%s) with pe=%s: %s', type(model).__name__, family.label, encoding.name, report)
     return handle
