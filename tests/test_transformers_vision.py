@@ -19,7 +19,7 @@ from vispe.integrations import AlreadyPatchedError, UnsupportedModelError, patch
 from adapter_checks import check_deepcopy, check_one_patch_per_tree, check_pickle  # noqa: E402
 from conftest import image_pes  # noqa: E402
 from transformers_vision_models import (  # noqa: E402
-    FAMILIES, NATIVE, OTHER, build, host_kwargs, inputs, siglip2_inputs,
+    CANVAS_GRIDS, FAMILIES, NATIVE, OTHER, build, canvas_inputs, host_kwargs, inputs, siglip2_inputs,
 )
 
 PARITY = 1e-6
@@ -96,6 +96,31 @@ def test_siglip2_refuses_a_mask_that_is_not_the_processor_layout():
         model(pixels, mask, shapes)
 
 
+@pytest.mark.parametrize('kind', ['idefics3', 'smolvlm'])
+def test_navit_own_encoding_equals_the_unpatched_model_on_a_padded_canvas(kind):
+    model = build(kind)
+    batch = canvas_inputs()
+    with torch.no_grad():
+        want = model(**batch).last_hidden_state
+        with patch_vision(model):
+            got = model(**batch).last_hidden_state
+    real = batch['patch_attention_mask'].flatten(1)
+    for b in range(len(CANVAS_GRIDS)):  # the output is in canvas order again; padded tokens carry no meaning
+        assert (got[b][real[b]] - want[b][real[b]]).abs().max().item() <= PARITY
+
+
+@pytest.mark.parametrize('pe', [None, 'rope_mixed', 'liere', 'peg', 'learned'])
+def test_navit_image_padded_on_a_canvas_gets_its_output_alone(pe):
+    model = build('idefics3')
+    batch = canvas_inputs()
+    real = batch['patch_attention_mask'].flatten(1)
+    with torch.no_grad(), patch_vision(model, pe):
+        together = model(**batch).last_hidden_state
+        for b, (h, w) in enumerate(CANVAS_GRIDS):
+            alone = model(pixel_values=batch['pixel_values'][b:b + 1, :, :8 * h, :8 * w]).last_hidden_state[0]
+            torch.testing.assert_close(together[b][real[b]], alone, rtol=0, atol=2e-6)
+
+
 # ------------------------------------------------------------------ whole models find their tower
 def _tiny_pair(cls, config_cls, vision_config_cls, text_config_cls):
     torch.manual_seed(0)
@@ -105,9 +130,19 @@ def _tiny_pair(cls, config_cls, vision_config_cls, text_config_cls):
     return cls(config_cls(vision_config=vision, text_config=text, projection_dim=16)).eval()
 
 
-@pytest.mark.parametrize('which', ['siglip', 'clip', 'vit_classifier'])
+@pytest.mark.parametrize('which', ['siglip', 'clip', 'vit_classifier', 'idefics3'])
 def test_a_whole_model_finds_its_vision_tower(which):
-    if which == 'siglip':
+    if which == 'idefics3':
+        torch.manual_seed(0)
+        sizes = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        model = transformers.Idefics3Model(transformers.Idefics3Config(
+            vision_config=dict(image_size=32, patch_size=8, **sizes), scale_factor=2, image_token_id=63,
+            text_config=dict(num_key_value_heads=2, vocab_size=64, **sizes))).eval()
+        tower = model.vision_model
+
+        def run(m, x):  # the connector's image features (one tensor per batch of tiles)
+            return torch.cat(list(m.get_image_features(pixel_values=x[:, None]).pooler_output))
+    elif which == 'siglip':
         model = _tiny_pair(transformers.SiglipModel, transformers.SiglipConfig, transformers.SiglipVisionConfig,
                            transformers.SiglipTextConfig)
         tower, run = model.vision_model, lambda m, x: m.get_image_features(pixel_values=x).pooler_output
@@ -334,3 +369,19 @@ def test_learned_weights_resampling_is_siglip2s_resize(grid):
         theirs = interpolate.embedding(vispe.positions.grid(*grid, train_grid=(4, 4)))[0]
     assert (ours - host).abs().max().item() <= 1.2e-7
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize('grid', [(6, 7), (3, 5), (4, 4), (2, 9)])
+def test_learned_buckets_resampling_is_idefics3s_fractional_positions(grid):
+    """``learned:resample=buckets`` gives each token the table row Idefics3 / SmolVLM's embeddings give it."""
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+    host = Idefics3VisionEmbeddings(transformers.Idefics3VisionConfig(hidden_size=32, image_size=32, patch_size=8))
+    pe = vispe.create_pe('learned:resample=buckets', vispe.PEContext(dim=32, grid_size=(4, 4)))
+    with torch.no_grad():
+        host.patch_embedding.weight.zero_()
+        host.patch_embedding.bias.zero_()
+        pe.pos_embed.copy_(host.position_embedding.weight[None])
+        mask = torch.ones(1, *grid, dtype=torch.bool)
+        want = host(torch.zeros(1, 3, 8 * grid[0], 8 * grid[1]), mask)[0]
+        got = pe.embedding(vispe.positions.grid(*grid, train_grid=(4, 4)))[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

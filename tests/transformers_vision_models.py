@@ -19,7 +19,7 @@ SIGLIP2_PATCH = 4
 SIGLIP2_NATIVE = 16      # its table: 4 x 4
 _SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
-FAMILIES = ('vit', 'deit', 'dinov2', 'dinov2_registers', 'siglip', 'clip', 'siglip2', 'dinov3')
+FAMILIES = ('vit', 'deit', 'dinov2', 'dinov2_registers', 'siglip', 'clip', 'siglip2', 'dinov3', 'idefics3', 'smolvlm')
 
 
 def _config(kind: str) -> transformers.PretrainedConfig:
@@ -40,12 +40,17 @@ def _config(kind: str) -> transformers.PretrainedConfig:
         return transformers.Siglip2VisionConfig(patch_size=SIGLIP2_PATCH, num_patches=SIGLIP2_NATIVE, **_SIZES)
     if kind == 'dinov3':
         return transformers.DINOv3ViTConfig(num_register_tokens=2, **image)
+    if kind == 'idefics3':
+        return transformers.Idefics3VisionConfig(**image)
+    if kind == 'smolvlm':
+        return transformers.SmolVLMVisionConfig(**image)
     raise ValueError(kind)
 
 
 _MODELS = {'vit': 'ViTModel', 'deit': 'DeiTModel', 'dinov2': 'Dinov2Model',
            'dinov2_registers': 'Dinov2WithRegistersModel', 'siglip': 'SiglipVisionModel',
-           'clip': 'CLIPVisionModel', 'siglip2': 'Siglip2VisionModel', 'dinov3': 'DINOv3ViTModel'}
+           'clip': 'CLIPVisionModel', 'siglip2': 'Siglip2VisionModel', 'dinov3': 'DINOv3ViTModel',
+           'idefics3': 'Idefics3VisionTransformer', 'smolvlm': 'SmolVLMVisionTransformer'}
 
 
 def sharpen(model: nn.Module, seed: int = 1) -> nn.Module:
@@ -88,6 +93,19 @@ def inputs(kind: str, size: Tuple[int, int] = NATIVE, batch: int = 2, seed: int 
         return dict(pixel_values=pixels, pixel_attention_mask=mask, spatial_shapes=shapes)
     g = torch.Generator().manual_seed(seed)
     return dict(pixel_values=torch.randn(batch, 3, *size, generator=g))
+
+
+def canvas_inputs(seed: int = 0) -> Dict[str, torch.Tensor]:
+    """An Idefics3 / SmolVLM batch of three images of different sizes padded on one 48 x 56 canvas (6 x 7
+    patches): ``patch_attention_mask`` True on each image's top-left rectangle of patches."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(len(CANVAS_GRIDS), 6, 7, dtype=torch.bool)
+    for b, (h, w) in enumerate(CANVAS_GRIDS):
+        mask[b, :h, :w] = True
+    return dict(pixel_values=torch.randn(len(CANVAS_GRIDS), 3, 48, 56, generator=g), patch_attention_mask=mask)
+
+
+CANVAS_GRIDS = [(6, 7), (3, 5), (6, 2)]
 
 
 def host_kwargs(kind: str, size: Tuple[int, int]) -> Dict[str, bool]:

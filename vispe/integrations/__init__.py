@@ -11,7 +11,8 @@ A patched model deep-copies and pickles. ``pe=None`` is the model's own encoding
 * `patch_detr` (`vispe.integrations.transformers_detr`): any encoding in transformers' DETR, Conditional
   DETR, Deformable DETR and RT-DETR (v1, v2) models, each padded image at its own grid's positions.
 * `patch_vision` (`vispe.integrations.transformers_vision`): any encoding in transformers' ViT, DeiT, DINOv2,
-  DINOv3-ViT, SigLIP, SigLIP 2 (NaFlex) and CLIP vision encoders, alone or inside a model that holds one.
+  DINOv3-ViT, SigLIP, SigLIP 2 (NaFlex), CLIP and Idefics3 / SmolVLM vision encoders, alone or inside a model
+  that holds one.
 * `use_pe` (`vispe.integrations.open_clip`): any encoding in an open_clip CLIP model's timm image tower.
 """
 from .base import AlreadyPatchedError, ModelPatch, UnsupportedModelError, find_patch

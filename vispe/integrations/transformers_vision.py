@@ -1,8 +1,9 @@
 """Give one transformers vision encoder instance any vispe positional encoding: `patch_vision`.
 
 ``patch_vision(model, 'liere')`` makes a transformers ViT / DeiT, DINOv2 (with registers too), DINOv3-ViT,
-SigLIP, SigLIP 2 (NaFlex) or CLIP vision encoder, or a model that holds one (an image classifier, a whole
-``SiglipModel`` / ``CLIPModel``: its vision tower is found), position its image tokens with a vispe encoding.
+SigLIP, SigLIP 2 (NaFlex), CLIP or Idefics3 / SmolVLM vision encoder, or a model that holds one (an image
+classifier, a whole ``SiglipModel`` / ``CLIPModel`` / ``Idefics3Model``: its vision tower is found), position its
+image tokens with a vispe encoding.
 On that instance only (transformers' classes, modules and registries stay untouched) it:
 
 * registers the encoding as ``<tower>.vispe_pe`` (its parameters train and save with the model's
@@ -30,22 +31,27 @@ The seam. The per-forward `vispe.PreparedPE` reaches the attentions through the 
 threads the tower's ``**kwargs`` through its encoder and layers to every attention, and the tower's
 pre-hook adds ``vispe_prepared=`` to them; the replaced attentions read it from their keyword arguments.
 The embeddings are called without those keyword arguments (``self.embeddings(pixel_values, ...)``), so for
-the additive step alone the prepared encoding is held on the handle for the length of one forward (pushed
-by the tower's pre-hook, popped by a forward hook that runs also when the forward raises), never between
-forwards.
+the additive step the prepared encoding is held on the handle for the length of one forward (pushed by the
+tower's pre-hook, popped by a forward hook that runs also when the forward raises), never between forwards.
+Idefics3's and SmolVLM's towers call their encoder without ``**kwargs`` (transformers 5.25): there the
+attentions read the prepared encoding of the running forward from the handle the same way.
 
 Positions. Image families: the grid ``(H / p, W / p)`` of the ``pixel_values`` of this forward (any size the
 patch divides; the host needs ``interpolate_pos_encoding=True`` for another size, the patched model
 resamples its table as that option does, whatever it is given), the prefix tokens first, the training grid
 ``image_size / p``. SigLIP 2: each image of the batch at its own grid ``spatial_shapes[b]``, its ``h * w``
 real patches first and the rest padding (``pixel_attention_mask``), so an image padded in a batch gets
-the output it gets alone (the patched attention masks the padded keys).
+the output it gets alone (the patched attention masks the padded keys). Idefics3 / SmolVLM: images padded on
+one canvas (``patch_attention_mask``, each a top-left rectangle of patches); the tokens run packed, each
+image's patches first at its own grid (`vispe.positions.pack_padded_grid`), from the embeddings to the
+tower's output, which comes back in canvas order.
 
 The model's own encodings as vispe specs (``pe=None``; the patched model then gives the unpatched one's
 outputs, float32, within 1e-6): ViT, DeiT, DINOv2, SigLIP and CLIP ``learned`` with
 ``interpolation='bicubic', antialias=False`` (transformers' ``interpolate_pos_encoding``); DINOv2 with
 registers ``learned`` bicubic with ``antialias=True`` (its register tokens get no position: zero rows);
 SigLIP 2 ``learned`` with ``interpolation='bilinear', antialias=True`` (``resize_positional_embeddings``);
+Idefics3 / SmolVLM ``learned`` with ``resample='buckets'`` (NaViT's fractional-position buckets);
 DINOv3-ViT ``rope_timm`` with ``rope_type='dinov3'`` and the config's ``rope_theta`` and coordinate
 augmentations (computed in float32 also after ``.to(torch.bfloat16)``, where transformers' own
 ``inv_freq`` buffer is rounded).
@@ -53,8 +59,9 @@ augmentations (computed in float32 also after ``.to(torch.bfloat16)``, where tra
 How to add a family. A family is one `VisionFamily` row of `FAMILIES`: the tower classes it covers, where
 the layers and their attention are, the names of the attention's output projection, scale and dropout, the
 prefix tokens and the patch embedding of its embeddings module, its table (if any) and the options of
-its own encoding, and one positions function ``(family, tower, args, kwargs) -> Positions`` (`image_positions`
-and `naflex_positions` are the two so far). A tower whose attention projects q, k and v with ``q_proj`` /
+its own encoding, one positions function ``(family, tower, args, kwargs) -> Positions`` (`image_positions`,
+`naflex_positions`, `canvas_positions` so far), and two flags: whether its tower passes ``**kwargs`` down,
+and whether its images are padded on a canvas. A tower whose attention projects q, k and v with ``q_proj`` /
 ``k_proj`` / ``v_proj`` and is called with the layer's ``**kwargs`` needs nothing else; a tower that reorders
 tokens (windowed attention) or packs images along one sequence (``cu_seqlens``) needs its positions function
 to return them in that order and, where its attention's call differs, a hook of its own beside
@@ -74,13 +81,13 @@ from torch import nn
 from ..attention import pe_attention
 from ..contract import PEContext, PositionalEncoding, PreparedPE
 from ..extras import SUPPORTED, require
-from ..positions import Positions, grid, naflex_grid
+from ..positions import PaddedGrid, Positions, grid, naflex_grid, pack_padded_grid
 from ..registry import PESpec, create_pe
 from ..weights import LoadReport
 from .base import ModelPatch, UnsupportedModelError, refuse_patched
 
 __all__ = ['patch_vision', 'VisionPatch', 'VisionFamily', 'FAMILIES', 'SUPPORTED_TOWERS', 'image_positions',
-           'naflex_positions', 'own_spec']
+           'naflex_positions', 'canvas_positions', 'own_spec']
 
 _logger = logging.getLogger(__name__)
 
@@ -154,6 +161,27 @@ def naflex_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[An
     return pos
 
 
+def canvas_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                     ) -> Positions:
+    """The positions of an Idefics3 / SmolVLM tower's forward: the canvas grid of ``pixel_values`` with each
+    image's real patches (``patch_attention_mask`` ``(B, h, w)``, True on real patches, a top-left rectangle)
+    and the rest padding; the handle packs the tokens so that each image is at its own grid.
+
+    Raises:
+        ValueError: a size the patch does not divide, or a mask of another shape.
+    """
+    pos = image_positions(family, tower, args, kwargs)
+    real = _argument(args, kwargs, 1, 'patch_attention_mask')
+    if real is None:
+        return pos
+    batch = _argument(args, kwargs, 0, 'pixel_values').shape[0]
+    if not torch.is_tensor(real) or tuple(real.shape) != (batch, *pos.grid):
+        raise ValueError(f'patch_vision ({family.label}): patch_attention_mask must be (B, {pos.grid[0]}, '
+                         f'{pos.grid[1]}) for these pixel_values, got '
+                         f'{tuple(real.shape) if torch.is_tensor(real) else type(real).__name__}')
+    return pos.replace(key_padding_mask=~real.bool().flatten(1))
+
+
 # ----------------------------------------------------------------------------------------- the family table
 def _native_image_grid(config: Any) -> Tuple[int, int]:
     (h, w), (ph, pw) = _pair(config.image_size), _pair(config.patch_size)
@@ -186,6 +214,12 @@ class VisionFamily:
         positions: ``(family, tower, args, kwargs) -> Positions`` for one forward of the tower.
         native_grid: ``config -> (h, w)``, the training grid.
         unused: tower submodules whose output the patched attention no longer reads (made to return None).
+        threads_kwargs: the tower's forward passes its ``**kwargs`` down to the attentions (transformers'
+            rule); False (Idefics3, SmolVLM call their encoder without them): the attentions read the
+            prepared encoding of the running forward from the handle.
+        canvas: images padded on a shared canvas (``patch_attention_mask``): the tokens run packed, each
+            image's grid first (`vispe.positions.pack_padded_grid`), from the embeddings to the tower's
+            output, which is put back in canvas order; the attentions mask the padded keys themselves.
     """
     label: str
     towers: Tuple[str, ...]
@@ -202,6 +236,8 @@ class VisionFamily:
     positions: Callable[..., Positions] = image_positions
     native_grid: Callable[[Any], Tuple[int, int]] = _native_image_grid
     unused: Tuple[str, ...] = ()
+    threads_kwargs: bool = True
+    canvas: bool = False
 
     def num_prefix(self, config: Any) -> int:
         return sum(int(config.num_register_tokens) if p == 'register_tokens' else 1 for p in self.prefix)
@@ -241,6 +277,11 @@ FAMILIES: Tuple[VisionFamily, ...] = (
     VisionFamily('SigLIP 2', ('Siglip2VisionModel',), 'encoder.layers', 'self_attn', 'out_proj', 'scale', 'dropout',
                  (), 'patch_embedding', 'embeddings.position_embedding', 0,
                  dict(interpolation='bilinear', antialias=True, resample='weights'), naflex_positions, _native_patch_grid),
+    # NaViT buckets over a padded canvas; the tower calls its encoder without **kwargs
+    VisionFamily('Idefics3 / SmolVLM vision', ('Idefics3VisionTransformer', 'SmolVLMVisionTransformer'),
+                 'encoder.layers', 'self_attn', 'out_proj', 'scale', 'dropout', (), 'patch_embedding',
+                 'embeddings.position_embedding', 0, dict(resample='buckets'), canvas_positions,
+                 threads_kwargs=False, canvas=True),
     VisionFamily('DINOv3-ViT', ('DINOv3ViTModel',), 'model.layer', 'attention', 'o_proj', 'scaling', 'dropout',
                  ('cls_token', 'register_tokens'), 'patch_embeddings', None, 0, _dinov3_spec,
                  unused=('rope_embeddings',)),
@@ -307,6 +348,13 @@ def _check_layout(tower: nn.Module, family: VisionFamily) -> List[nn.Module]:
 
 
 # ----------------------------------------------------------------------------------------- the handle
+@dataclass
+class _Forward:
+    """One running forward: the prepared encoding and, for a padded canvas, its packed layout."""
+    prepared: PreparedPE
+    packed: Optional[PaddedGrid] = None
+
+
 class VisionPatch(ModelPatch):
     """What `patch_vision` did to one model instance; ``remove()`` (or leaving a ``with`` block) undoes it.
 
@@ -324,7 +372,7 @@ class VisionPatch(ModelPatch):
         super().__init__(model)
         self.tower, self.tower_name, self.family, self.encoding = tower, tower_name, family, encoding
         self.spec, self.report = spec, report
-        self._forwards: List[PreparedPE] = []  # the prepared encoding of the forward running, for the embeddings
+        self._forwards: List[_Forward] = []  # the forward running, for the embeddings (and unthreaded attentions)
 
     # ------------------------------------------------------------------ one forward
     def _begin(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
@@ -332,20 +380,39 @@ class VisionPatch(ModelPatch):
         """The tower's forward pre-hook: this forward's positions, the encoding prepared once for them and
         added to the call's keyword arguments, which transformers threads to every attention."""
         pos = self.family.positions(self.family, tower, args, kwargs)
-        prepared = self.encoding.prepare(pos)
-        self._forwards.append(prepared)
+        packed = pack_padded_grid(pos) if self.family.canvas and pos.key_padding_mask is not None else None
+        prepared = self.encoding.prepare(packed.positions if packed is not None else pos)
+        self._forwards.append(_Forward(prepared, packed))
         return args, {**kwargs, PREPARED_KWARG: prepared}
 
-    def _end(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
-        """The tower's forward hook (also when the forward raises): nothing of this forward stays."""
-        if self._forwards:
-            self._forwards.pop()
+    def _end(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
+        """The tower's forward hook (also when the forward raises): packed tokens back in canvas order;
+        nothing of this forward stays."""
+        packed = self._forwards.pop().packed if self._forwards else None
+        if packed is None or output is None:
+            return None
+        output.last_hidden_state = packed.unpack(output.last_hidden_state)
+        if getattr(output, 'hidden_states', None) is not None:
+            output.hidden_states = tuple(packed.unpack(h) for h in output.hidden_states)
+        return output
 
-    def _current(self) -> PreparedPE:
+    def _current(self) -> _Forward:
         if not self._forwards:
             raise RuntimeError(f'patch_vision: the patched embeddings of {self.family.label} run inside the patched '
                                f"tower's forward, which prepares the encoding; call the tower (or the model)")
         return self._forwards[-1]
+
+    def _prepared(self, kwargs: Dict[str, Any], what: str) -> PreparedPE:
+        """The prepared encoding of this forward: from the call's keyword arguments, or from the running
+        forward for a family whose tower does not pass them down."""
+        prepared = kwargs.get(PREPARED_KWARG)
+        if prepared is not None:
+            return prepared
+        if not self.family.threads_kwargs and self._forwards:
+            return self._forwards[-1].prepared
+        raise RuntimeError(f'patch_vision: {what} of the patched {self.family.label} was called without '
+                           f'{PREPARED_KWARG}=: it runs inside the patched tower\'s forward, which prepares the '
+                           f'encoding and passes it down with the layers\' keyword arguments')
 
     def _embeddings(self, embeddings: nn.Module, pixel_values: Tensor, *args: Any,
                     bool_masked_pos: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
@@ -358,12 +425,15 @@ class VisionPatch(ModelPatch):
             x = x.flatten(2).transpose(1, 2)
         if bool_masked_pos is not None:
             x = torch.where(bool_masked_pos.unsqueeze(-1), embeddings.mask_token.reshape(1, 1, -1).to(x.dtype), x)
+        current = self._current()
+        if current.packed is not None:  # each image's patches first, in the layout of its positions
+            x = current.packed.pack(x)
         b = x.shape[0]
         prefix = [getattr(embeddings, p).reshape(1, -1, x.shape[-1]).to(x.dtype).expand(b, -1, -1)
                   for p in self.family.prefix]
         if prefix:
             x = torch.cat(prefix + [x], dim=1)
-        x = self._current().embed(x)
+        x = current.prepared.embed(x)
         dropout = getattr(embeddings, 'dropout', None)
         return dropout(x) if isinstance(dropout, nn.Module) else x
 
@@ -371,13 +441,11 @@ class VisionPatch(ModelPatch):
                    *args: Any, **kwargs: Any) -> Tuple[Tensor, None]:
         """The forward of one self-attention ``module`` of the tower (its q/k/v projections, `vispe.pe_attention`
         with the prepared encoding from the call's keyword arguments, its output projection)."""
-        prepared = kwargs.get(PREPARED_KWARG)
-        if prepared is None:
-            raise RuntimeError(f'patch_vision: attention {layer} of the patched {self.family.label} was called without '
-                               f'{PREPARED_KWARG}=: it runs inside the patched tower\'s forward, which prepares the '
-                               f'encoding and passes it down with the layers\' keyword arguments')
+        prepared = self._prepared(kwargs, f'attention {layer}')
         b, n, _ = hidden_states.shape
         fam = self.family
+        if fam.canvas:  # the host's mask is in canvas order; the tokens run packed
+            attention_mask = None
         q, k, v = (proj(hidden_states).view(b, n, -1, module.head_dim).transpose(1, 2)
                    for proj in (module.q_proj, module.k_proj, module.v_proj))
         o = pe_attention(q, k, v, prepared, layer, x=hidden_states, attn_mask=_mask(attention_mask, prepared),
@@ -388,9 +456,7 @@ class VisionPatch(ModelPatch):
     def _between_blocks(self, index: int, layer: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                         output: Any) -> Any:
         """A layer's forward hook: the encoding's between-blocks map (PEG) after block ``index``."""
-        prepared = kwargs.get(PREPARED_KWARG)
-        if prepared is None:
-            return output
+        prepared = self._prepared(kwargs, f'layer {index}')
         if isinstance(output, tuple):
             return (prepared.between_blocks(output[0], index),) + output[1:]
         return prepared.between_blocks(output, index)
@@ -477,8 +543,8 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
     Args:
         model: a transformers vision encoder (``ViTModel``, ``DeiTModel``, ``Dinov2Model``,
             ``Dinov2WithRegistersModel``, ``DINOv3ViTModel``, ``SiglipVisionModel``, ``Siglip2VisionModel``,
-            ``CLIPVisionModel``) or a model holding exactly one (``ViTForImageClassification``,
-            ``SiglipModel``, ``CLIPModel``, ...).
+            ``CLIPVisionModel``, ``Idefics3VisionTransformer``, ``SmolVLMVisionTransformer``) or a model holding
+            exactly one (``ViTForImageClassification``, ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``, ...).
         pe: any vispe encoding spec (``'rope_mixed'``, ``'liere'``, ``'irpe+learned'``, ...); None: the
             model's own encoding, computed by vispe (module docstring); ``'none'``: no encoding (NoPE).
         options: options of the encoding (override the spec's).
