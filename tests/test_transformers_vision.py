@@ -385,3 +385,13 @@ def test_learned_buckets_resampling_is_idefics3s_fractional_positions(grid):
         want = host(torch.zeros(1, 3, 8 * grid[0], 8 * grid[1]), mask)[0]
         got = pe.embedding(vispe.positions.grid(*grid, train_grid=(4, 4)))[0]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_benchmark_runs_and_reports_its_ratios(capsys):
+    from benchmarks.transformers_vision import main
+    results = main(['--width', '64', '--depth', '1', '--img', '32', '--patch', '8', '--batch', '1', '--rounds', '1',
+                    '--pes', 'rope_mixed'])
+    assert set(results) == {'eval own / unpatched', 'eval rope_mixed / none', 'train own / unpatched',
+                            'train rope_mixed / none'}
+    assert all(math.isfinite(r) and r > 0 for r in results.values())
+    assert 'own encoding: learned' in capsys.readouterr().out
