@@ -54,6 +54,34 @@ def _separable_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[i
     return torch.cat([prefix, grid.to(table.dtype)], dim=1)
 
 
+def _weights_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[int], num_prefix: int, mode: str,
+                      antialias: bool) -> torch.Tensor:
+    """The 2D resampling of `F.interpolate` as one ``(new, old)`` weight matrix over the table's grid rows,
+    each weight the product of a row weight and a column weight (the form of transformers' SigLIP 2
+    ``resize_positional_embeddings``, whose rounding it reproduces)."""
+    prefix, rows_in = table[:, :num_prefix], table[:, num_prefix:].float().reshape(-1, table.shape[-1])
+    rows, cols = (_axis_map(o, n, mode, antialias, table.device) for o, n in zip(old, new))
+    weights = (rows[:, None, :, None] * cols[None, :, None, :]).reshape(math.prod(new), math.prod(old))
+    return torch.cat([prefix, (weights @ rows_in).unsqueeze(0).to(table.dtype)], dim=1)
+
+
+def _bucket_index(n_new: int, n_old: int, device: torch.device) -> torch.Tensor:
+    """NaViT's fractional-position buckets along one axis: token ``i`` of ``n_new`` takes row
+    ``bucketize(i / n_new, [1/n_old, 2/n_old, ...], right=True)`` of ``n_old``, in float32 as transformers'
+    Idefics3 / SmolVLM vision embeddings compute it (so its rounding at bucket edges is theirs)."""
+    boundaries = torch.arange(1 / n_old, 1.0, 1 / n_old, device=device)
+    step = 1.0 / torch.tensor(n_new, device=device)
+    fraction = (torch.arange(n_new, device=device, dtype=torch.float32) * step).clamp(max=1.0 - 1e-6)
+    return torch.bucketize(fraction, boundaries, right=True)
+
+
+def _bucket_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[int], num_prefix: int) -> torch.Tensor:
+    """The table at NaViT's fractional buckets (`_bucket_index` per axis): each new row one of the old rows."""
+    prefix, grid = table[:, :num_prefix], table[:, num_prefix:].reshape(*old, -1)
+    rows, cols = (_bucket_index(n, o, table.device) for n, o in zip(new, old))
+    return torch.cat([prefix, grid[rows][:, cols].reshape(1, -1, table.shape[-1])], dim=1)
+
+
 @register_pe('learned', family='baseline')
 class LearnedPE(AdditivePE):
     """timm's learned absolute position table (Dosovitskiy et al., ICLR 2021).
@@ -68,6 +96,11 @@ class LearnedPE(AdditivePE):
         interpolation: resampling mode for other grids.
         antialias: antialias when downsampling the table (bicubic and bilinear only; nearest has none).
         init_std: std of the truncated-normal init (0: a zero table).
+        resample: how a 2D table is resampled: ``'interpolate'`` (timm's `resample_abs_pos_embed`),
+            ``'weights'`` (the same resampling as one weight matrix over the rows, transformers' SigLIP 2
+            form; equal up to float rounding, and to the rounding of that host) or ``'buckets'`` (NaViT's
+            fractional-position buckets, as Idefics3 / SmolVLM: each token takes the row of the bucket its
+            fractional position ``i / n`` falls in; ``interpolation`` is then unused).
     """
     larger_input = 'resample'
     paper = 'Dosovitskiy et al., ICLR 2021 (ViT); timm layout'
@@ -79,12 +112,14 @@ class LearnedPE(AdditivePE):
             interpolation: Literal['bicubic', 'bilinear', 'nearest'] = 'bicubic',
             antialias: bool = True,
             init_std: float = 0.02,
+            resample: Literal['interpolate', 'weights', 'buckets'] = 'interpolate',
     ) -> None:
         super().__init__(ctx)
         if ctx.grid_size is None:
             raise ValueError("encoding 'learned' needs the training grid: pass grid_size=(h, w) to create_pe")
         self.interpolation = interpolation
         self.antialias = antialias and interpolation != 'nearest'  # F.interpolate cannot antialias nearest
+        self.resample = resample
         self.num_table_prefix = ctx.num_prefix_tokens if ctx.embed_prefix else 0
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_table_prefix + math.prod(ctx.grid_size), ctx.dim))
         if check_nonnegative(self.name, 'init_std', init_std):
@@ -94,8 +129,12 @@ class LearnedPE(AdditivePE):
         return {'pos_embed'}
 
     def _resample(self, table: torch.Tensor, new: Sequence[int], old: Sequence[int]) -> torch.Tensor:
+        if len(new) == 2 and self.resample == 'buckets':  # even at the same size: the buckets' own rounding
+            return _bucket_resample(table, new, old, self.num_table_prefix)
         if static_equal(new, old):  # symbolic sizes resample (the identity when equal) rather than specialize
             return table
+        if len(new) == 2 and self.resample == 'weights':
+            return _weights_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
         if len(new) == 2 and is_tracing():
             return _separable_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
         if len(new) == 2:

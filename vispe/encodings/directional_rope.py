@@ -105,7 +105,9 @@ class DirectionalRope(MixedAnglePE):
     """`MixedAnglePE` with fixed frequency vectors ``(2, 1, H', hd/2)``: one table for every layer.
 
     The vectors are a non-persistent buffer: they follow from the options, so checkpoints of a model
-    with a directional RoPE carry none of them.
+    with a directional RoPE carry none of them. They stay float32 when the model is cast to half
+    precision (``float32_buffers``): a rounded frequency turns every angle by a rounding error that grows
+    with the position.
     """
     larger_input = 'interpolate'
     float32_buffers = frozenset({'freqs'})

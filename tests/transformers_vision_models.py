@@ -1,0 +1,115 @@
+"""Tiny transformers vision encoders of every family `patch_vision` supports, built from configs, and their
+inputs: shared by the adapter's tests and its docs checks.
+
+The models get larger attention projections and position tables than transformers' init (std 0.02, zeros
+for DeiT's table), so that positions visibly change the outputs and a parity test can fail."""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+from torch import nn
+
+import transformers
+
+PATCH = 8
+NATIVE = (32, 32)        # image families: a 4 x 4 grid
+OTHER = (48, 40)         # another, non-square size: 6 x 5
+SIGLIP2_PATCH = 4
+SIGLIP2_NATIVE = 16      # its table: 4 x 4
+_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+FAMILIES = ('vit', 'deit', 'dinov2', 'dinov2_registers', 'siglip', 'clip', 'siglip2', 'dinov3', 'idefics3', 'smolvlm')
+
+
+def _config(kind: str) -> transformers.PretrainedConfig:
+    image = dict(image_size=NATIVE[0], patch_size=PATCH, **_SIZES)
+    if kind == 'vit':
+        return transformers.ViTConfig(**image)
+    if kind == 'deit':
+        return transformers.DeiTConfig(**image)
+    if kind == 'dinov2':
+        return transformers.Dinov2Config(**image)
+    if kind == 'dinov2_registers':
+        return transformers.Dinov2WithRegistersConfig(num_register_tokens=2, **image)
+    if kind == 'siglip':
+        return transformers.SiglipVisionConfig(**image)
+    if kind == 'clip':
+        return transformers.CLIPVisionConfig(**image)
+    if kind == 'siglip2':
+        return transformers.Siglip2VisionConfig(patch_size=SIGLIP2_PATCH, num_patches=SIGLIP2_NATIVE, **_SIZES)
+    if kind == 'dinov3':
+        return transformers.DINOv3ViTConfig(num_register_tokens=2, **image)
+    if kind == 'idefics3':
+        return transformers.Idefics3VisionConfig(**image)
+    if kind == 'smolvlm':
+        return transformers.SmolVLMVisionConfig(**image)
+    raise ValueError(kind)
+
+
+_MODELS = {'vit': 'ViTModel', 'deit': 'DeiTModel', 'dinov2': 'Dinov2Model',
+           'dinov2_registers': 'Dinov2WithRegistersModel', 'siglip': 'SiglipVisionModel',
+           'clip': 'CLIPVisionModel', 'siglip2': 'Siglip2VisionModel', 'dinov3': 'DINOv3ViTModel',
+           'idefics3': 'Idefics3VisionTransformer', 'smolvlm': 'SmolVLMVisionTransformer'}
+
+
+def sharpen(model: nn.Module, seed: int = 1) -> nn.Module:
+    """q/k projections of std 0.3 and position tables of std 1, so positions matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit('.', 2)[-2:]
+            if leaf[0] in ('q_proj', 'k_proj') and leaf[1] == 'weight':
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif 'position_embedding' in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def build(kind: str) -> nn.Module:
+    """The tiny encoder of family ``kind``, in eval mode."""
+    torch.manual_seed(0)
+    return sharpen(getattr(transformers, _MODELS[kind])(_config(kind))).eval()
+
+
+def siglip2_inputs(grids, num_patches: int, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A SigLIP 2 batch as its processor lays it out: each image's ``h * w`` patches first, zeros after;
+    ``pixel_attention_mask`` 1 on the real patches; ``spatial_shapes``."""
+    g = torch.Generator().manual_seed(seed)
+    width = 3 * SIGLIP2_PATCH ** 2
+    pixels = torch.zeros(len(grids), num_patches, width)
+    mask = torch.zeros(len(grids), num_patches, dtype=torch.long)
+    for b, (h, w) in enumerate(grids):
+        pixels[b, :h * w] = torch.randn(h * w, width, generator=g)
+        mask[b, :h * w] = 1
+    return pixels, mask, torch.tensor(grids)
+
+
+def inputs(kind: str, size: Tuple[int, int] = NATIVE, batch: int = 2, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Keyword inputs of one forward at ``size`` (pixels; a SigLIP 2 grid of ``size / 8`` patches of 4)."""
+    if kind == 'siglip2':
+        grid = (size[0] // 8, size[1] // 8)
+        pixels, mask, shapes = siglip2_inputs([grid] * batch, grid[0] * grid[1], seed)
+        return dict(pixel_values=pixels, pixel_attention_mask=mask, spatial_shapes=shapes)
+    g = torch.Generator().manual_seed(seed)
+    return dict(pixel_values=torch.randn(batch, 3, *size, generator=g))
+
+
+def canvas_inputs(seed: int = 0) -> Dict[str, torch.Tensor]:
+    """An Idefics3 / SmolVLM batch of three images of different sizes padded on one 48 x 56 canvas (6 x 7
+    patches): ``patch_attention_mask`` True on each image's top-left rectangle of patches."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(len(CANVAS_GRIDS), 6, 7, dtype=torch.bool)
+    for b, (h, w) in enumerate(CANVAS_GRIDS):
+        mask[b, :h, :w] = True
+    return dict(pixel_values=torch.randn(len(CANVAS_GRIDS), 3, 48, 56, generator=g), patch_attention_mask=mask)
+
+
+CANVAS_GRIDS = [(6, 7), (3, 5), (6, 2)]
+
+
+def host_kwargs(kind: str, size: Tuple[int, int]) -> Dict[str, bool]:
+    """What the unpatched model needs to take ``size``: ``interpolate_pos_encoding=True`` where it has it."""
+    if kind in ('vit', 'deit', 'siglip', 'clip') and size != NATIVE:
+        return dict(interpolate_pos_encoding=True)
+    return {}

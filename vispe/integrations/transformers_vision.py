@@ -1,0 +1,588 @@
+"""Give one transformers vision encoder instance any vispe positional encoding: `patch_vision`.
+
+``patch_vision(model, 'liere')`` makes a transformers ViT / DeiT, DINOv2 (with registers too), DINOv3-ViT,
+SigLIP, SigLIP 2 (NaFlex), CLIP or Idefics3 / SmolVLM vision encoder, or a model that holds one (an image
+classifier, a whole ``SiglipModel`` / ``CLIPModel`` / ``Idefics3Model``: its vision tower is found), position its
+image tokens with a vispe encoding.
+On that instance only (transformers' classes, modules and registries stay untouched) it:
+
+* registers the encoding as ``<tower>.vispe_pe`` (its parameters train and save with the model's
+  ``state_dict``);
+* replaces the bound ``forward`` of ``<tower>.embeddings``: the family's patch embedding, mask token and
+  prefix tokens (class, distillation, register tokens) as transformers builds them, then the encoding's
+  additive part (none for a rotary encoding) in place of the host's table, then the embeddings' dropout;
+* replaces the bound ``forward`` of every self-attention of the tower: the layer's own ``q_proj`` /
+  ``k_proj`` / ``v_proj`` projections, `vispe.pe_attention` with the encoding's attention-side hooks (q/k
+  rotations, logit biases, value / output maps) and the host's mask, scale and dropout, then its output
+  projection;
+* adds a forward pre-hook on the tower that builds this forward's positions from its inputs, prepares the
+  encoding once and hands it to every attention, and forward hooks on the layers for encodings that act
+  between blocks (PEG);
+* makes a module whose output the patched attention no longer reads return None (DINOv3's
+  ``rope_embeddings``), so it is not computed.
+
+`VisionPatch.remove` undoes everything: module types, attributes and ``state_dict`` are then those of the
+unpatched model. The host's own position weights stay in the model (unused while patched); the handle's
+``report`` (`vispe.weights.LoadReport`) says which of them the encoding took over (``pe=None`` and the
+``learned`` encoding take the host's table), which were left unused (``dropped``) and which of the
+encoding's entries were initialised.
+
+The seam. The per-forward `vispe.PreparedPE` reaches the attentions through the call: transformers 5.x
+threads the tower's ``**kwargs`` through its encoder and layers to every attention, and the tower's
+pre-hook adds ``vispe_prepared=`` to them; the replaced attentions read it from their keyword arguments.
+The embeddings are called without those keyword arguments (``self.embeddings(pixel_values, ...)``), so for
+the additive step the prepared encoding is held on the handle for the length of one forward (pushed by the
+tower's pre-hook, popped by a forward hook that runs also when the forward raises), never between forwards.
+Idefics3's and SmolVLM's towers call their encoder without ``**kwargs`` (transformers 5.25): there the
+attentions read the prepared encoding of the running forward from the handle the same way.
+
+Positions. Image families: the grid ``(H / p, W / p)`` of the ``pixel_values`` of this forward (any size the
+patch divides; the host needs ``interpolate_pos_encoding=True`` for another size, the patched model
+resamples its table as that option does, whatever it is given), the prefix tokens first, the training grid
+``image_size / p``. SigLIP 2: each image of the batch at its own grid ``spatial_shapes[b]``, its ``h * w``
+real patches first and the rest padding (``pixel_attention_mask``), so an image padded in a batch gets
+the output it gets alone (the patched attention masks the padded keys). Idefics3 / SmolVLM: images padded on
+one canvas (``patch_attention_mask``, each a top-left rectangle of patches); the tokens run packed, each
+image's patches first at its own grid (`vispe.positions.pack_padded_grid`), from the embeddings to the
+tower's output, which comes back in canvas order.
+
+The model's own encodings as vispe specs (``pe=None``; the patched model then gives the unpatched one's
+outputs, float32, within 1e-6): ViT, DeiT, DINOv2, SigLIP and CLIP ``learned`` with
+``interpolation='bicubic', antialias=False`` (transformers' ``interpolate_pos_encoding``); DINOv2 with
+registers ``learned`` bicubic with ``antialias=True`` (its register tokens get no position: zero rows);
+SigLIP 2 ``learned`` with ``interpolation='bilinear', antialias=True`` (``resize_positional_embeddings``);
+Idefics3 / SmolVLM ``learned`` with ``resample='buckets'`` (NaViT's fractional-position buckets);
+DINOv3-ViT ``rope_timm`` with ``rope_type='dinov3'`` and the config's ``rope_theta`` and coordinate
+augmentations (computed in float32 also after ``.to(torch.bfloat16)``, where transformers' own
+``inv_freq`` buffer is rounded).
+
+How to add a family. A family is one `VisionFamily` row of `FAMILIES`: the tower classes it covers, where
+the layers and their attention are, the names of the attention's output projection, scale and dropout, the
+prefix tokens and the patch embedding of its embeddings module, its table (if any) and the options of
+its own encoding, one positions function ``(family, tower, args, kwargs) -> Positions`` (`image_positions`,
+`naflex_positions`, `canvas_positions` so far), and two flags: whether its tower passes ``**kwargs`` down,
+and whether its images are padded on a canvas. A tower whose attention projects q, k and v with ``q_proj`` /
+``k_proj`` / ``v_proj`` and is called with the layer's ``**kwargs`` needs nothing else; a tower that reorders
+tokens (windowed attention) or packs images along one sequence (``cu_seqlens``) needs its positions function
+to return them in that order and, where its attention's call differs, a hook of its own beside
+`VisionPatch._attention`.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..attention import pe_attention
+from ..contract import PEContext, PositionalEncoding, PreparedPE
+from ..extras import SUPPORTED, require
+from ..positions import PaddedGrid, Positions, grid, naflex_grid, pack_padded_grid
+from ..registry import PESpec, create_pe
+from ..weights import LoadReport
+from .base import ModelPatch, UnsupportedModelError, refuse_patched
+
+__all__ = ['patch_vision', 'VisionPatch', 'VisionFamily', 'FAMILIES', 'SUPPORTED_TOWERS', 'image_positions',
+           'naflex_positions', 'canvas_positions', 'own_spec']
+
+_logger = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+SUPPORTED_TRANSFORMERS = SUPPORTED['transformers']
+PREPARED_KWARG = 'vispe_prepared'
+"""The keyword argument by which the prepared encoding travels from the tower's call to its attentions."""
+
+
+def _pair(value: Any) -> Tuple[int, int]:
+    return (int(value[0]), int(value[1])) if isinstance(value, (tuple, list)) else (int(value), int(value))
+
+
+def _argument(args: Sequence[Any], kwargs: Dict[str, Any], index: int, name: str) -> Any:
+    """A call's argument ``name``, given by keyword or at position ``index``; None when absent."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
+
+
+# ----------------------------------------------------------------------------------------- positions per forward
+def image_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                    ) -> Positions:
+    """The positions of an image tower's forward: the grid of ``pixel_values`` ``(B, C, H, W)``, prefix first.
+
+    Raises:
+        ValueError: no ``pixel_values``, another layout, or a size the patch does not divide.
+    """
+    pixels = _argument(args, kwargs, 0, 'pixel_values')
+    if not torch.is_tensor(pixels) or pixels.dim() != 4:
+        shape = tuple(pixels.shape) if torch.is_tensor(pixels) else type(pixels).__name__
+        raise ValueError(f'patch_vision ({family.label}): pixel_values must be a (B, C, H, W) tensor, got {shape}')
+    ph, pw = _pair(tower.config.patch_size)
+    h, w = pixels.shape[-2:]
+    if h % ph or w % pw:
+        raise ValueError(f'patch_vision ({family.label}): input size {h}x{w} is not divisible by the patch size '
+                         f'{ph}x{pw}; use a size that is a multiple of {ph}x{pw} (the unpatched model would crop '
+                         f'the remainder)')
+    return grid(h // ph, w // pw, num_prefix=family.num_prefix(tower.config), train_grid=family.native_grid(tower.config),
+                device=pixels.device)
+
+
+def naflex_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                     ) -> Positions:
+    """The positions of a SigLIP 2 forward: image ``b`` at its own grid ``spatial_shapes[b]``, its ``h * w``
+    real patches first, the rest of the ``max_num_patches`` padding (``pixel_attention_mask`` 0).
+
+    Raises:
+        ValueError: missing ``spatial_shapes`` / ``pixel_attention_mask``, or a mask that is not the
+            first ``h * w`` patches of each image.
+    """
+    pixels = _argument(args, kwargs, 0, 'pixel_values')
+    real = _argument(args, kwargs, 1, 'pixel_attention_mask')
+    shapes = _argument(args, kwargs, 2, 'spatial_shapes')
+    if not torch.is_tensor(pixels) or pixels.dim() != 3:
+        raise ValueError(f'patch_vision ({family.label}): pixel_values must be patches (B, max_num_patches, C*p*p)')
+    if not torch.is_tensor(shapes) or shapes.shape != (pixels.shape[0], 2):
+        raise ValueError(f'patch_vision ({family.label}): spatial_shapes must be a (B, 2) tensor of each image\'s '
+                         f'(rows, columns) of patches')
+    grids = tuple((int(h), int(w)) for h, w in shapes.tolist())
+    n = pixels.shape[1]
+    if any(h < 1 or w < 1 or h * w > n for h, w in grids):
+        raise ValueError(f'patch_vision ({family.label}): spatial_shapes {list(grids)} must be positive and hold '
+                         f'at most max_num_patches={n} patches each')
+    pos = naflex_grid(grids, num_tokens=n, train_grid=family.native_grid(tower.config), device=pixels.device)
+    if real is not None:
+        if tuple(real.shape) != (pixels.shape[0], n) or not torch.equal(real.bool(), ~pos.key_padding_mask):
+            raise ValueError(f'patch_vision ({family.label}): pixel_attention_mask must be 1 on the first h*w '
+                             f'patches of each image (spatial_shapes) and 0 on the rest, the layout of '
+                             f'transformers\' SigLIP 2 processor')
+    return pos
+
+
+def canvas_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                     ) -> Positions:
+    """The positions of an Idefics3 / SmolVLM tower's forward: the canvas grid of ``pixel_values`` with each
+    image's real patches (``patch_attention_mask`` ``(B, h, w)``, True on real patches, a top-left rectangle)
+    and the rest padding; the handle packs the tokens so that each image is at its own grid.
+
+    Raises:
+        ValueError: a size the patch does not divide, or a mask of another shape.
+    """
+    pos = image_positions(family, tower, args, kwargs)
+    real = _argument(args, kwargs, 1, 'patch_attention_mask')
+    if real is None:
+        return pos
+    batch = _argument(args, kwargs, 0, 'pixel_values').shape[0]
+    if not torch.is_tensor(real) or tuple(real.shape) != (batch, *pos.grid):
+        raise ValueError(f'patch_vision ({family.label}): patch_attention_mask must be (B, {pos.grid[0]}, '
+                         f'{pos.grid[1]}) for these pixel_values, got '
+                         f'{tuple(real.shape) if torch.is_tensor(real) else type(real).__name__}')
+    return pos.replace(key_padding_mask=~real.bool().flatten(1))
+
+
+# ----------------------------------------------------------------------------------------- the family table
+def _native_image_grid(config: Any) -> Tuple[int, int]:
+    (h, w), (ph, pw) = _pair(config.image_size), _pair(config.patch_size)
+    return h // ph, w // pw
+
+
+def _native_patch_grid(config: Any) -> Tuple[int, int]:
+    side = math.isqrt(config.num_patches)
+    return side, side
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """What differs between the supported vision towers: a row of `FAMILIES`.
+
+    Attributes:
+        label: the family's name in messages and docs.
+        towers: class names of the tower (the module holding ``embeddings`` and the layers).
+        layers: dotted path from the tower to its list of layers.
+        attention: the attention module's attribute on a layer.
+        out_proj, scale, dropout: the attention's output projection, logit scale and dropout attributes.
+        prefix: the embeddings' prefix-token parameters, in sequence order (``register_tokens`` counts
+            ``config.num_register_tokens`` tokens, the others one each).
+        patch: the embeddings' patch-embedding module (a conv whose output is flattened, or a linear map
+            of already-patchified pixels).
+        table: dotted path from the tower to the learned position table (a ``(1, N, C)`` parameter or an
+            ``nn.Embedding``), None without one; ``table_prefix``: its rows for prefix tokens.
+        own: the options of the model's own encoding (``'learned'``'s resampling), or a function of the
+            config giving its spec.
+        positions: ``(family, tower, args, kwargs) -> Positions`` for one forward of the tower.
+        native_grid: ``config -> (h, w)``, the training grid.
+        unused: tower submodules whose output the patched attention no longer reads (made to return None).
+        threads_kwargs: the tower's forward passes its ``**kwargs`` down to the attentions (transformers'
+            rule); False (Idefics3, SmolVLM call their encoder without them): the attentions read the
+            prepared encoding of the running forward from the handle.
+        canvas: images padded on a shared canvas (``patch_attention_mask``): the tokens run packed, each
+            image's grid first (`vispe.positions.pack_padded_grid`), from the embeddings to the tower's
+            output, which is put back in canvas order; the attentions mask the padded keys themselves.
+    """
+    label: str
+    towers: Tuple[str, ...]
+    layers: str
+    attention: str
+    out_proj: str
+    scale: str
+    dropout: str
+    prefix: Tuple[str, ...]
+    patch: str
+    table: Optional[str]
+    table_prefix: int
+    own: Any
+    positions: Callable[..., Positions] = image_positions
+    native_grid: Callable[[Any], Tuple[int, int]] = _native_image_grid
+    unused: Tuple[str, ...] = ()
+    threads_kwargs: bool = True
+    canvas: bool = False
+
+    def num_prefix(self, config: Any) -> int:
+        return sum(int(config.num_register_tokens) if p == 'register_tokens' else 1 for p in self.prefix)
+
+
+def _dinov3_spec(config: Any) -> Dict[str, Any]:
+    """DINOv3-ViT's rope (``DINOv3ViTRopePositionEmbedding``) as ``rope_timm``: patch-centre coordinates in
+    ``[-1, 1]`` per axis, periods ``rope_theta^(4k / hd)``, rotate-half pairs, (row, column) halves, its
+    training-time shift / jitter / rescale augmentations."""
+    spec: Dict[str, Any] = dict(name='rope_timm', rope_type='dinov3', temperature=float(config.rope_theta),
+                                grid_indexing='ij', rotate_half=True, normalize_coords='separate')
+    for ours, theirs in (('shift_coords', 'pos_embed_shift'), ('jitter_coords', 'pos_embed_jitter'),
+                         ('rescale_coords', 'pos_embed_rescale')):
+        if getattr(config, theirs, None) is not None:
+            spec[ours] = float(getattr(config, theirs))
+    return spec
+
+
+_BICUBIC = dict(interpolation='bicubic', antialias=False)  # transformers' interpolate_pos_encoding
+FAMILIES: Tuple[VisionFamily, ...] = (
+    VisionFamily('ViT', ('ViTModel',), 'layers', 'attention', 'o_proj', 'scaling', 'attention_dropout',
+                 ('cls_token',), 'patch_embeddings', 'embeddings.position_embeddings', 1, _BICUBIC),
+    VisionFamily('DeiT', ('DeiTModel',), 'layers', 'attention', 'o_proj', 'scaling', 'attention_dropout',
+                 ('cls_token', 'distillation_token'), 'patch_embeddings', 'embeddings.position_embeddings', 2,
+                 _BICUBIC),
+    VisionFamily('DINOv2', ('Dinov2Model',), 'encoder.layer', 'attention', 'o_proj', 'scaling',
+                 'attention_dropout', ('cls_token',), 'patch_embeddings', 'embeddings.position_embeddings', 1,
+                 _BICUBIC),
+    # its registers join after the table is added: they get zero rows
+    VisionFamily('DINOv2 with registers', ('Dinov2WithRegistersModel',), 'encoder.layer', 'attention', 'o_proj',
+                 'scaling', 'attention_dropout', ('cls_token', 'register_tokens'), 'patch_embeddings',
+                 'embeddings.position_embeddings', 1, dict(interpolation='bicubic', antialias=True, init_std=0.0)),
+    VisionFamily('SigLIP', ('SiglipVisionModel',), 'encoder.layers', 'self_attn', 'out_proj', 'scale', 'dropout',
+                 (), 'patch_embedding', 'embeddings.position_embedding', 0, _BICUBIC),
+    VisionFamily('CLIP', ('CLIPVisionModel',), 'encoder.layers', 'self_attn', 'out_proj', 'scale', 'dropout',
+                 ('class_embedding',), 'patch_embedding', 'embeddings.position_embedding', 1, _BICUBIC),
+    VisionFamily('SigLIP 2', ('Siglip2VisionModel',), 'encoder.layers', 'self_attn', 'out_proj', 'scale', 'dropout',
+                 (), 'patch_embedding', 'embeddings.position_embedding', 0,
+                 dict(interpolation='bilinear', antialias=True, resample='weights'), naflex_positions, _native_patch_grid),
+    # NaViT buckets over a padded canvas; the tower calls its encoder without **kwargs
+    VisionFamily('Idefics3 / SmolVLM vision', ('Idefics3VisionTransformer', 'SmolVLMVisionTransformer'),
+                 'encoder.layers', 'self_attn', 'out_proj', 'scale', 'dropout', (), 'patch_embedding',
+                 'embeddings.position_embedding', 0, dict(resample='buckets'), canvas_positions,
+                 threads_kwargs=False, canvas=True),
+    VisionFamily('DINOv3-ViT', ('DINOv3ViTModel',), 'model.layer', 'attention', 'o_proj', 'scaling', 'dropout',
+                 ('cls_token', 'register_tokens'), 'patch_embeddings', None, 0, _dinov3_spec,
+                 unused=('rope_embeddings',)),
+)
+SUPPORTED_TOWERS = tuple(t for f in FAMILIES for t in f.towers)
+_BY_TOWER = {t: f for f in FAMILIES for t in f.towers}
+
+
+def own_spec(family: VisionFamily, config: Any) -> PESpec:
+    """The vispe spec of a tower's own encoding (``pe=None``)."""
+    if callable(family.own):
+        return family.own(config)
+    return dict(name='learned', **family.own)
+
+
+def _path(root: nn.Module, dotted: str) -> Any:
+    for name in dotted.split('.'):
+        root = getattr(root, name)
+    return root
+
+
+def _is_transformers(module: nn.Module) -> bool:
+    return type(module).__module__.startswith('transformers.')
+
+
+def find_tower(model: nn.Module) -> Tuple[nn.Module, str, VisionFamily]:
+    """The one supported vision tower in ``model`` (the model itself or a submodule): (tower, its name, family).
+
+    Raises:
+        UnsupportedModelError: no supported tower, or several (patch the one you mean).
+    """
+    found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _BY_TOWER and _is_transformers(m)]
+    if not found:
+        raise UnsupportedModelError(
+            f'patch_vision supports transformers vision encoders {", ".join(SUPPORTED_TOWERS)} and models holding '
+            f'one (their image classifiers, SiglipModel, CLIPModel, ...); got {type(model).__name__}, which holds none')
+    if len(found) > 1:
+        names = ', '.join(repr(n) or 'the model' for n, _ in found)
+        raise UnsupportedModelError(f'patch_vision: {type(model).__name__} holds several vision towers ({names}); '
+                                    f'patch the one you mean')
+    name, tower = found[0]
+    return tower, name, _BY_TOWER[type(tower).__name__]
+
+
+def _check_layout(tower: nn.Module, family: VisionFamily) -> List[nn.Module]:
+    """The tower's layers, after checking that they have what the patch uses (else the error names it)."""
+    why = f'not the transformers >= {SUPPORTED_TRANSFORMERS[0]}, < {SUPPORTED_TRANSFORMERS[1]} {family.label} layout'
+    try:
+        layers = list(_path(tower, family.layers))
+        embeddings = tower.embeddings
+    except AttributeError as e:
+        raise UnsupportedModelError(f'patch_vision: {type(tower).__name__} has no {e.name!r}: {why}') from None
+    for name in family.prefix + (family.patch,):
+        if not hasattr(embeddings, name):
+            raise UnsupportedModelError(f'patch_vision: {type(embeddings).__name__} has no {name!r}: {why}')
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, family.attention, None)
+        missing = [a for a in ('q_proj', 'k_proj', 'v_proj', 'head_dim', family.out_proj, family.scale, family.dropout)
+                   if not hasattr(attn, a)]
+        if missing:
+            raise UnsupportedModelError(f'patch_vision: layer {i} of {type(tower).__name__} has no '
+                                        f'{family.attention}.{missing[0]}: {why}')
+    return layers
+
+
+# ----------------------------------------------------------------------------------------- the handle
+@dataclass
+class _Forward:
+    """One running forward: the prepared encoding and, for a padded canvas, its packed layout."""
+    prepared: PreparedPE
+    packed: Optional[PaddedGrid] = None
+
+
+class VisionPatch(ModelPatch):
+    """What `patch_vision` did to one model instance; ``remove()`` (or leaving a ``with`` block) undoes it.
+
+    Attributes:
+        tower: the patched vision encoder; ``tower_name``: its name in the model (``''``: the model itself).
+        family: the `VisionFamily`; ``encoding``: the vispe encoding (also ``<tower>.vispe_pe``).
+        spec: the encoding's spec (``pe=None`` resolved to the model's own, `own_spec`).
+        report: what the encoding took from the host's position weights (`vispe.weights.LoadReport`).
+        replaced: ``(owner, attribute)`` of everything replaced or hooked, for the record.
+    """
+    adapter = 'patch_vision'
+
+    def __init__(self, model: nn.Module, tower: nn.Module, tower_name: str, family: VisionFamily,
+                 encoding: PositionalEncoding, spec: PESpec, report: LoadReport) -> None:
+        super().__init__(model)
+        self.tower, self.tower_name, self.family, self.encoding = tower, tower_name, family, encoding
+        self.spec, self.report = spec, report
+        self._forwards: List[_Forward] = []  # the forward running, for the embeddings (and unthreaded attentions)
+
+    # ------------------------------------------------------------------ one forward
+    def _begin(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+               ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """The tower's forward pre-hook: this forward's positions, the encoding prepared once for them and
+        added to the call's keyword arguments, which transformers threads to every attention."""
+        pos = self.family.positions(self.family, tower, args, kwargs)
+        packed = pack_padded_grid(pos) if self.family.canvas and pos.key_padding_mask is not None else None
+        prepared = self.encoding.prepare(packed.positions if packed is not None else pos)
+        self._forwards.append(_Forward(prepared, packed))
+        return args, {**kwargs, PREPARED_KWARG: prepared}
+
+    def _end(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
+        """The tower's forward hook (also when the forward raises): packed tokens back in canvas order;
+        nothing of this forward stays."""
+        packed = self._forwards.pop().packed if self._forwards else None
+        if packed is None or output is None:
+            return None
+        output.last_hidden_state = packed.unpack(output.last_hidden_state)
+        if getattr(output, 'hidden_states', None) is not None:
+            output.hidden_states = tuple(packed.unpack(h) for h in output.hidden_states)
+        return output
+
+    def _current(self) -> _Forward:
+        if not self._forwards:
+            raise RuntimeError(f'patch_vision: the patched embeddings of {self.family.label} run inside the patched '
+                               f"tower's forward, which prepares the encoding; call the tower (or the model)")
+        return self._forwards[-1]
+
+    def _prepared(self, kwargs: Dict[str, Any], what: str) -> PreparedPE:
+        """The prepared encoding of this forward: from the call's keyword arguments, or from the running
+        forward for a family whose tower does not pass them down."""
+        prepared = kwargs.get(PREPARED_KWARG)
+        if prepared is not None:
+            return prepared
+        if not self.family.threads_kwargs and self._forwards:
+            return self._forwards[-1].prepared
+        raise RuntimeError(f'patch_vision: {what} of the patched {self.family.label} was called without '
+                           f'{PREPARED_KWARG}=: it runs inside the patched tower\'s forward, which prepares the '
+                           f'encoding and passes it down with the layers\' keyword arguments')
+
+    def _embeddings(self, embeddings: nn.Module, pixel_values: Tensor, *args: Any,
+                    bool_masked_pos: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        """The forward of ``<tower>.embeddings``: patch embedding, mask token, prefix tokens (as transformers
+        builds them), the encoding's additive part, dropout."""
+        patch = getattr(embeddings, self.family.patch)
+        weight = getattr(patch, 'weight', None)
+        x = patch(pixel_values.to(weight.dtype) if weight is not None else pixel_values)
+        if x.dim() == 4:  # a conv's (B, C, h, w)
+            x = x.flatten(2).transpose(1, 2)
+        if bool_masked_pos is not None:
+            x = torch.where(bool_masked_pos.unsqueeze(-1), embeddings.mask_token.reshape(1, 1, -1).to(x.dtype), x)
+        current = self._current()
+        if current.packed is not None:  # each image's patches first, in the layout of its positions
+            x = current.packed.pack(x)
+        b = x.shape[0]
+        prefix = [getattr(embeddings, p).reshape(1, -1, x.shape[-1]).to(x.dtype).expand(b, -1, -1)
+                  for p in self.family.prefix]
+        if prefix:
+            x = torch.cat(prefix + [x], dim=1)
+        x = current.prepared.embed(x)
+        dropout = getattr(embeddings, 'dropout', None)
+        return dropout(x) if isinstance(dropout, nn.Module) else x
+
+    def _attention(self, module: nn.Module, layer: int, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
+                   *args: Any, **kwargs: Any) -> Tuple[Tensor, None]:
+        """The forward of one self-attention ``module`` of the tower (its q/k/v projections, `vispe.pe_attention`
+        with the prepared encoding from the call's keyword arguments, its output projection)."""
+        prepared = self._prepared(kwargs, f'attention {layer}')
+        b, n, _ = hidden_states.shape
+        fam = self.family
+        if fam.canvas:  # the host's mask is in canvas order; the tokens run packed
+            attention_mask = None
+        q, k, v = (proj(hidden_states).view(b, n, -1, module.head_dim).transpose(1, 2)
+                   for proj in (module.q_proj, module.k_proj, module.v_proj))
+        o = pe_attention(q, k, v, prepared, layer, x=hidden_states, attn_mask=_mask(attention_mask, prepared),
+                         scale=getattr(module, fam.scale),
+                         dropout_p=getattr(module, fam.dropout) if module.training else 0.0)
+        return getattr(module, fam.out_proj)(o.transpose(1, 2).reshape(b, n, -1)), None
+
+    def _between_blocks(self, index: int, layer: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                        output: Any) -> Any:
+        """A layer's forward hook: the encoding's between-blocks map (PEG) after block ``index``."""
+        prepared = self._prepared(kwargs, f'layer {index}')
+        if isinstance(output, tuple):
+            return (prepared.between_blocks(output[0], index),) + output[1:]
+        return prepared.between_blocks(output, index)
+
+    def _skipped(self, *args: Any, **kwargs: Any) -> None:
+        """The forward of a module whose output the patched attention no longer reads."""
+        return None
+
+    # ------------------------------------------------------------------ install / remove
+    def _install(self, layers: List[nn.Module]) -> None:
+        tower, fam, caps = self.tower, self.family, self.encoding.capabilities
+        partial = functools.partial  # forwards and hooks: the handle's methods, never closures (copies, pickles)
+        self.set(tower, 'vispe_pe', self.encoding)
+        self.add_hook(tower, self._begin, 'forward_pre', with_kwargs=True)
+        self.add_hook(tower, self._end, with_kwargs=True, always_call=True)
+        embeddings = tower.embeddings
+        self.set(embeddings, 'forward', partial(self._embeddings, embeddings), 'embeddings')
+        for name in fam.unused:
+            unused = _path(tower, name)
+            self.set(unused, 'forward', self._skipped, name)
+        for i, layer in enumerate(layers):
+            attn = getattr(layer, fam.attention)
+            self.set(attn, 'forward', partial(self._attention, attn, i), f'{fam.layers}.{i}.{fam.attention}')
+            if caps.between_blocks:
+                self.add_hook(layer, partial(self._between_blocks, i), with_kwargs=True, label=f'{fam.layers}.{i}')
+        self.activate()
+
+    def remove(self) -> None:
+        """Restore the instance: the original modules and attributes, no hooks, no ``vispe_pe``."""
+        super().remove()
+        self._forwards = []
+
+    def __repr__(self) -> str:
+        return (f'VisionPatch({type(self.model).__name__}, family={self.family.label!r}, '
+                f'encoding={self.encoding.name!r}, active={self._active}, replaced={len(self.replaced)})')
+
+
+def _mask(attention_mask: Any, prepared: PreparedPE) -> Optional[Tensor]:
+    """The attention mask: the host's (a 4D bool or additive mask, as transformers builds it), else the padded
+    keys of this forward's positions (True = attend), else None."""
+    if torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
+        return attention_mask
+    pad = prepared.keys.key_padding_mask
+    if pad is None:
+        return None
+    npre = prepared.keys.num_prefix
+    if npre:
+        pad = torch.cat([pad.new_zeros(pad.shape[0], npre), pad], 1)
+    return ~pad[:, None, None, :]
+
+
+# ----------------------------------------------------------------------------------------- weights
+def _host_table(tower: nn.Module, family: VisionFamily) -> Optional[Tensor]:
+    """The host's learned table as timm's ``(1, prefix + N, C)``, or None."""
+    if family.table is None:
+        return None
+    table = _path(tower, family.table)
+    table = table.weight if isinstance(table, nn.Embedding) else table
+    return table.detach().reshape(1, -1, table.shape[-1])
+
+
+def _adopt(encoding: PositionalEncoding, tower: nn.Module, family: VisionFamily, grid_size: Tuple[int, int]
+           ) -> LoadReport:
+    """Hand the host's table to the encoding (``adopt_pos_embed``) and report what was taken."""
+    table = _host_table(tower, family)
+    taken: Dict[str, Tensor] = {}
+    resampled: List[str] = []
+    if table is not None:
+        taken, resampled = encoding.adopt_pos_embed(table.float(), family.table_prefix, grid_size)
+        if taken:
+            with torch.no_grad():
+                _, unexpected = encoding.load_state_dict(taken, strict=False)
+            if unexpected:
+                raise ValueError(f'patch_vision: the encoding has no entries {unexpected} that it adopted')
+    dropped = [family.table] if table is not None and not taken else []
+    initialized = sorted(f'vispe_pe.{k}' for k in encoding.state_dict() if k not in taken)
+    return LoadReport(dropped=dropped, initialized=initialized, resampled=[f'vispe_pe.{k}' for k in resampled])
+
+
+# ----------------------------------------------------------------------------------------- entry point
+def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) -> VisionPatch:
+    """Make the vision tower of one transformers model instance use a vispe encoding; returns the `VisionPatch`.
+
+    Args:
+        model: a transformers vision encoder (``ViTModel``, ``DeiTModel``, ``Dinov2Model``,
+            ``Dinov2WithRegistersModel``, ``DINOv3ViTModel``, ``SiglipVisionModel``, ``Siglip2VisionModel``,
+            ``CLIPVisionModel``, ``Idefics3VisionTransformer``, ``SmolVLMVisionTransformer``) or a model holding
+            exactly one (``ViTForImageClassification``, ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``, ...).
+        pe: any vispe encoding spec (``'rope_mixed'``, ``'liere'``, ``'irpe+learned'``, ...); None: the
+            model's own encoding, computed by vispe (module docstring); ``'none'``: no encoding (NoPE).
+        options: options of the encoding (override the spec's).
+
+    Raises:
+        vispe.integrations.UnsupportedModelError: no supported tower in ``model``, several, or a layout
+            this transformers version does not have (a TypeError).
+        vispe.extras.UnsupportedVersionError: unsupported transformers version (an ImportError).
+        vispe.integrations.AlreadyPatchedError: the model, a module inside it or a model holding it is
+            already patched (a RuntimeError).
+        ValueError: an encoding the tower cannot take (one that needs cameras), naming it.
+    """
+    require('transformers', 'patch_vision')
+    tower, tower_name, family = find_tower(model)
+    refuse_patched(model, 'patch_vision')
+    layers = _check_layout(tower, family)
+    config = tower.config
+    if pe is None:
+        pe = own_spec(family, config)
+    first = getattr(layers[0], family.attention) if layers else None
+    heads = config.num_attention_heads
+    head_dim = first.head_dim if first is not None else config.hidden_size // heads
+    grid_size = family.native_grid(config)
+    ctx = PEContext(dim=config.hidden_size, num_heads=heads, head_dim=head_dim, depth=len(layers), grid_size=grid_size,
+                    num_prefix_tokens=family.num_prefix(config))
+    ref = next(iter(tower.parameters()))
+    try:
+        encoding = create_pe(pe, ctx, device=ref.device, **options)
+    except ValueError as e:
+        raise ValueError(f'patch_vision ({family.label}): pe={pe!r} cannot apply: {e}') from e
+    if encoding.capabilities.requires:
+        raise ValueError(f'patch_vision ({family.label}): pe={pe!r} reads {sorted(encoding.capabilities.requires)} from '
+                         f'its positions, which an image encoder does not supply')
+    report = _adopt(encoding, tower, family, grid_size)
+    if ref.dtype != torch.float32:  # the model's dtype, as `nn.Module.to` would give it
+        encoding.to(dtype=ref.dtype)
+    encoding.train(tower.training)  # registered into a model that may already be in eval mode
+    handle = VisionPatch(model, tower, tower_name, family, encoding, pe, report)
+    handle._install(layers)
+    _logger.info('vispe: patched %s (%s) with pe=%s: %s', type(model).__name__, family.label, encoding.name, report)
+    return handle
