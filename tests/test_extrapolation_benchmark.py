@@ -92,8 +92,10 @@ def test_reduced_benchmark_statistics_are_those_of_the_per_seed_runs(tmp_path):
     """The reduced config on the shapes task with two seeds: outputs, mean / std / rank against numpy on
     the numbers every run wrote, a weight-sharing variant equal to its base at the training size."""
     out = tmp_path / 'bench'
-    results = run_benchmark(CI, [f'benchmark.output_dir={out}', 'benchmark.seeds=[0, 1]',
-                                 'benchmark.tasks={shapes: _shapes_ci.yaml}'])
+    # three sizes (below, at and above the training size) keep the default run short
+    quick = ['benchmark.seeds=[0, 1]', 'benchmark.tasks={shapes: _shapes_ci.yaml}',
+             'benchmark.protocol.test_scales=[0.75, 1.0, 2.0]']
+    results = run_benchmark(CI, [f'benchmark.output_dir={out}', *quick])
     _check_outputs(results, out, 'extrapolation_ci')
     runs = _run_records(out / 'extrapolation_ci')
     train = str(results['train_size'])
@@ -107,10 +109,8 @@ def test_reduced_benchmark_statistics_are_those_of_the_per_seed_runs(tmp_path):
     assert again['top1'] == runs[('shapes', 'rope_axial', 1)]['top1'][str(results['sizes'][-1])]
     # a second start refuses to overwrite, and resumes when asked (nothing is trained again)
     with pytest.raises(ConfigError, match='benchmark.resume'):
-        run_benchmark(CI, [f'benchmark.output_dir={out}', 'benchmark.seeds=[0, 1]',
-                           'benchmark.tasks={shapes: _shapes_ci.yaml}'])
-    resumed = run_benchmark(CI, [f'benchmark.output_dir={out}', 'benchmark.seeds=[0, 1]', 'benchmark.resume=true',
-                                 'benchmark.tasks={shapes: _shapes_ci.yaml}'])
+        run_benchmark(CI, [f'benchmark.output_dir={out}', *quick])
+    resumed = run_benchmark(CI, [f'benchmark.output_dir={out}', *quick, 'benchmark.resume=true'])
     assert resumed['summary'] == results['summary']
 
 
@@ -252,3 +252,15 @@ def test_swin_rpb_resampling_mode_bilinear_stays_within_the_table_where_bicubic_
     assert set(big['nearest'].unique().tolist()) == {0.0, 1.0}
     pes['bilinear'].set_grid_size((9, 9))  # the parameter itself, resized the same way
     assert pes['bilinear'].relative_position_bias_table.min() >= 0.0
+
+
+def test_position_interpolation_is_the_normalized_grid_above_the_training_size():
+    """The sweep's two ways of interpolating RoPE-Axial agree on a larger grid (and so the docs can say
+    that grid_mode=normalized is position interpolation for the angle-linear rotations)."""
+    kw = dict(dim=64, num_heads=4, depth=1, grid_size=(4, 4), num_prefix_tokens=1)
+    linear = vispe.create_pe('rope_axial:scaling=linear', **kw)
+    normalized = vispe.create_pe('rope_axial:grid_mode=normalized', **kw)
+    q, k = torch.randn(2, 4, 1 + 12 * 8, 16), torch.randn(2, 4, 1 + 12 * 8, 16)
+    pos = vispe.grid(12, 8, num_prefix=1, train_grid=(4, 4))
+    for a, b in zip(linear.prepare(pos).qk(q, k, 0), normalized.prepare(pos).qk(q, k, 0)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

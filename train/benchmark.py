@@ -329,11 +329,13 @@ def _run_job(job: Dict[str, Any]) -> Dict[str, Any]:
     protocol = ProtocolConfig(**job['protocol'])
     cfg = run_config(job['task_tree'], protocol, job['spec'], job['seed'], run_dir, job['resume'])
     t0, c0 = time.perf_counter(), time.process_time()
-    result = BenchmarkTrainer(cfg, DistEnv(), run_dir, protocol).fit()
+    trainer = BenchmarkTrainer(cfg, DistEnv(), run_dir, protocol)
+    result = trainer.fit()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     rows = evaluate_checkpoints([result.best_path], job['sizes'], batch_size=job['batch_size'], progress_mode='off')
     record = dict(task=job['task'], encoding=job['label'], spec=job['spec'], seed=job['seed'], kind='trained',
                   params=result.params, steps=result.steps, train_wall_s=wall, train_cpu_s=cpu,
+                  resumed=trainer.resumed_from is not None,  # then the cost covers the resumed part only
                   eval_wall_s=time.perf_counter() - t0 - wall, eval_cpu_s=time.process_time() - c0 - cpu,
                   train_size=protocol.train_size, chance=rows[0]['chance'], metric=rows[0]['metric'],
                   top1={str(r['size']): r[r['metric']] for r in rows})
@@ -493,6 +495,7 @@ def run_benchmark(path: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
     """Run the benchmark of config ``path``; writes and returns the results (see `write_outputs`)."""
     cfg, tasks = load_benchmark(path, overrides)
     jobs, variant_jobs, excluded = plan(cfg, tasks)
+    specs = select_encodings(cfg)[0]
     if not cfg.resume:  # refuse before anything trains, as python -m train does for a run folder
         taken = [j['run_dir'] for j in jobs + variant_jobs if Path(j['run_dir']).is_dir() and any(Path(j['run_dir']).iterdir())]
         if taken:
@@ -506,9 +509,10 @@ def run_benchmark(path: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
             from .data.digits import write_digits
             write_digits(data['root'])
     total = len(jobs) + len(variant_jobs)
-    _logger.info('benchmark %s: %d training runs (%d encodings x %d tasks x %d seeds), %d variant evaluations, '
-                 '%d worker(s); left out: %s', cfg.name, len(jobs), len(jobs) // len(tasks) // len(cfg.seeds),
-                 len(tasks), len(cfg.seeds), len(variant_jobs), cfg.workers,
+    _logger.info('benchmark %s: %d training runs (%d encodings, %d trained variants; %d tasks; %d seeds), %d '
+                 'evaluations of variants on trained weights, %d worker(s); left out: %s', cfg.name, len(jobs),
+                 len(specs), len(jobs) // len(tasks) // len(cfg.seeds) - len(specs), len(tasks), len(cfg.seeds),
+                 len(variant_jobs), cfg.workers,
                  ', '.join(f'{k} ({v})' for k, v in excluded.items()) or 'none')
     t0 = time.perf_counter()
     records = _run_all(_run_job, jobs, cfg.workers, cfg.resume, 0, total, t0)
@@ -518,7 +522,7 @@ def run_benchmark(path: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
         environment=_environment(cfg.workers), wall_seconds=time.perf_counter() - t0,
         seeds=list(cfg.seeds), tasks=list(tasks), sizes=protocol_sizes(cfg.protocol),
         train_size=cfg.protocol.train_size, excluded=excluded,
-        encodings=list(dict.fromkeys(j['label'] for j in jobs)),
+        encodings=specs,
         variants=[dict(encoding=_with_options(v.pe, cfg.options), weights_of=v.weights_of, note=v.note)
                   for v in cfg.variants],
         config=dict(benchmark=to_dict(cfg), tasks=tasks), runs=records)
@@ -569,6 +573,8 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
     cost = []
     for task in results['tasks']:
         trained = [r for r in runs if r['task'] == task and r['kind'] == 'trained']
+        if any(not r.get('resumed') for r in trained):  # a resumed run timed only its last part
+            trained = [r for r in trained if not r.get('resumed')]
         base = [r['train_cpu_s'] for r in trained if r['encoding'] == 'none']
         base_mean = _stats(base)[0] if base else None
         for label in dict.fromkeys(r['encoding'] for r in trained):
