@@ -13,10 +13,9 @@ import torch
 
 import vispe
 from train.benchmark import (
-    DOCS_BEGIN, DOCS_END, BenchmarkConfig, BenchmarkTrainer, ProtocolConfig, _MixedResolution, _ranks,
+    DOCS_BEGIN, DOCS_END, PUBLISHED_ORDERINGS, BenchmarkTrainer, ProtocolConfig, _MixedResolution, _ranks,
     _same_function, docs_block, effective_spec, load_benchmark, protocol_sizes, run_benchmark, select_encodings,
 )
-from train.checkpoint import load_checkpoint
 from train.config import ConfigError
 from train.distributed import DistEnv
 from train.extrapolate import evaluate_checkpoints
@@ -137,6 +136,8 @@ def test_full_config_covers_every_image_encoding_and_leaves_out_camera_ones_with
     assert all('cameras' in reason for reason in excluded.values())
     p = cfg.protocol
     assert [s / p.train_size for s in protocol_sizes(p)] == [0.75, 1.0, 1.5, 2.0, 3.0, 4.0]
+    for claim in PUBLISHED_ORDERINGS:  # every published pair is measured by the full benchmark
+        assert claim.better in names and claim.worse in names and claim.scale in cfg.protocol.test_scales
     for v in cfg.variants:  # every weight-sharing variant shares its base's parameters
         base = vispe.create_pe(effective_spec(v.weights_of, p), dim=64, num_heads=4, depth=3, grid_size=(4, 4),
                                num_prefix_tokens=1)

@@ -69,8 +69,8 @@ from .schema import Config, option
 
 __all__ = [
     'ProtocolConfig', 'VariantConfig', 'BenchmarkConfig', 'PublishedOrdering', 'PUBLISHED_ORDERINGS',
-    'FAMILY_GROUPS', 'load_benchmark', 'protocol_sizes', 'select_encodings', 'summarize', 'run_benchmark', 'render_markdown',
-    'write_outputs', 'update_docs', 'is_benchmark_config', 'main',
+    'FAMILY_GROUPS', 'load_benchmark', 'protocol_sizes', 'select_encodings', 'summarize', 'run_benchmark',
+    'render_markdown', 'write_outputs', 'update_docs', 'is_benchmark_config', 'main',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -497,7 +497,8 @@ def run_benchmark(path: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
     jobs, variant_jobs, excluded = plan(cfg, tasks)
     specs = select_encodings(cfg)[0]
     if not cfg.resume:  # refuse before anything trains, as python -m train does for a run folder
-        taken = [j['run_dir'] for j in jobs + variant_jobs if Path(j['run_dir']).is_dir() and any(Path(j['run_dir']).iterdir())]
+        taken = [j['run_dir'] for j in jobs + variant_jobs
+                 if Path(j['run_dir']).is_dir() and any(Path(j['run_dir']).iterdir())]
         if taken:
             raise ConfigError(f'benchmark.resume: not set, but {taken[0]} (and {len(taken) - 1} more) already holds a '
                               f'run; set benchmark.resume=true to reuse finished runs and continue the others, or '
@@ -559,7 +560,8 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
         for size in sizes:
             rows = {}
             for label in labels:
-                mine = sorted((r for r in runs if r['task'] == task and r['encoding'] == label), key=lambda r: r['seed'])
+                mine = sorted((r for r in runs if r['task'] == task and r['encoding'] == label),
+                              key=lambda r: r['seed'])
                 values = [r['top1'][str(size)] for r in mine]
                 mean, std = _stats(values)
                 rows[label] = dict(task=task, encoding=label, family=family(label), size=size,
