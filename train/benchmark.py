@@ -460,7 +460,8 @@ def _finished(job: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def _run_all(fn: Callable[[Dict[str, Any]], Dict[str, Any]], jobs: Sequence[Dict[str, Any]], workers: int,
-             resume: bool, done: int, total: int, t0: float) -> List[Dict[str, Any]]:
+             resume: bool, done: int, total: int, t0: float) -> Tuple[List[Dict[str, Any]], int]:
+    """Every job's record, run by ``workers`` processes, and how many were reused (finished earlier)."""
     records: List[Optional[Dict[str, Any]]] = [None] * len(jobs)
     todo = []
     for i, job in enumerate(jobs):
@@ -488,7 +489,7 @@ def _run_all(fn: Callable[[Dict[str, Any]], Dict[str, Any]], jobs: Sequence[Dict
             futures = {pool.submit(fn, jobs[i]): i for i in todo}
             for fut in as_completed(futures):
                 report(futures[fut], fut.result())
-    return [r for r in records if r is not None]
+    return [r for r in records if r is not None], len(jobs) - len(todo)
 
 
 def run_benchmark(path: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
@@ -516,15 +517,19 @@ def run_benchmark(path: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
                  len(variant_jobs), cfg.workers,
                  ', '.join(f'{k} ({v})' for k, v in excluded.items()) or 'none')
     t0 = time.perf_counter()
-    records = _run_all(_run_job, jobs, cfg.workers, cfg.resume, 0, total, t0)
-    records += _run_all(_variant_job, variant_jobs, cfg.workers, cfg.resume, len(jobs), total, t0)
+    records, reused = _run_all(_run_job, jobs, cfg.workers, cfg.resume, 0, total, t0)
+    more, reused_variants = _run_all(_variant_job, variant_jobs, cfg.workers, cfg.resume, len(jobs), total, t0)
+    records += more
     results = dict(
         kind='extrapolation_benchmark', command=' '.join(['python -m train', path, *overrides]),
         environment=_environment(cfg.workers), wall_seconds=time.perf_counter() - t0,
+        reused_runs=reused + reused_variants, total_runs=total,
         seeds=list(cfg.seeds), tasks=list(tasks), sizes=protocol_sizes(cfg.protocol),
         train_size=cfg.protocol.train_size, excluded=excluded,
         encodings=specs,
-        variants=[dict(encoding=_with_options(v.pe, cfg.options), weights_of=v.weights_of, note=v.note)
+        variants=[dict(encoding=_with_options(v.pe, cfg.options), note=v.note,
+                       weights_of=_with_options(v.weights_of, cfg.options)
+                       if v.weights_of and not cfg.protocol.mixed_resolution else None)
                   for v in cfg.variants],
         config=dict(benchmark=to_dict(cfg), tasks=tasks), runs=records)
     results.update(summarize(results))
@@ -675,7 +680,9 @@ def render_markdown(results: Dict[str, Any], heading: str = '##') -> str:
               f'*Run {env["date"]} on {env["hardware"]}; python {env["versions"]["python"]}, torch '
               f'{env["versions"]["torch"]}, timm {env["versions"]["timm"]}, vispe {env["versions"]["vispe"]}'
               f'{", commit " + env["versions"]["commit"] if env["versions"].get("commit") else ""}; '
-              f'{results["wall_seconds"] / 60:.1f} minutes wall. Command: `{results["command"]}`.*']
+              f'{results["wall_seconds"] / 60:.1f} minutes wall'
+              + (f' ({results["reused_runs"]} of {results["total_runs"]} runs reused from an earlier start)'
+                 if results.get('reused_runs') else '') + f'. Command: `{results["command"]}`.*']
     return '\n'.join(lines) + '\n'
 
 
@@ -705,7 +712,8 @@ consulted). ComRoPE's "RoPE" is matched with ``rope_axial`` and its APE with ``l
 
 
 def published_comparison(results: Dict[str, Any]) -> List[str]:
-    """A markdown table: each published ordering against the measured means at the nearest test size.
+    """A markdown table: each published ordering whose two encodings were benchmarked, against the
+    measured means at the nearest test size.
 
     ``agrees``: the measured difference has the published sign and exceeds the larger of the two
     standard deviations; ``reversed``: the opposite sign, beyond it; ``within noise`` otherwise.
@@ -715,17 +723,17 @@ def published_comparison(results: Dict[str, Any]) -> List[str]:
     by_name = {}
     for label in results['encodings']:
         by_name.setdefault(_names(label)[0], label)  # the benchmarked spec of each encoding name
+    claims = [c for c in PUBLISHED_ORDERINGS if c.better in by_name and c.worse in by_name]
+    if not claims:
+        return ['None of the published pairs was benchmarked in this run.']
     lines = ['| published | at | ' + ' | '.join(f'{t}: better / worse | {t}' for t in results['tasks']) + ' |',
              '|---|---|' + '---|---|' * len(results['tasks'])]
-    for claim in PUBLISHED_ORDERINGS:
+    for claim in claims:
         size = min(sizes, key=lambda s: abs(s / train - claim.scale))
-        a, b = by_name.get(claim.better), by_name.get(claim.worse)
+        a, b = by_name[claim.better], by_name[claim.worse]
         parts = []
         for task in results['tasks']:
-            ca, cb = cell.get((task, a, size)), cell.get((task, b, size))
-            if ca is None or cb is None:
-                parts += ['not run', '-']
-                continue
+            ca, cb = cell[(task, a, size)], cell[(task, b, size)]
             diff = ca['mean'] - cb['mean']
             noise = max(ca['std'] or 0.0, cb['std'] or 0.0)
             verdict = 'agrees' if diff > noise else 'reversed' if diff < -noise else 'within noise'
@@ -777,8 +785,10 @@ def plot(results: Dict[str, Any], path: Path) -> None:
     for label in results['encodings']:
         groups.setdefault(FAMILY_GROUPS.get(family(label), family(label)), []).append(label)
     variants = [v['encoding'] for v in results['variants']]
-    if variants:
-        groups['variants (options for larger inputs)'] = variants
+    bases = [b for b in dict.fromkeys(v['weights_of'] for v in results['variants'] if v['weights_of'])
+             if b in results['encodings']]
+    if variants:  # beside the encodings whose weights they use (dash-dotted)
+        groups['variants (options for larger inputs)'] = bases + variants
     fig, axes = plt.subplots(len(groups), len(tasks), figsize=(5.2 * len(tasks), 2.9 * len(groups)),
                              squeeze=False, sharex=True)
     cell = {(r['task'], r['encoding'], r['size']): r for r in results['summary']}
@@ -791,7 +801,8 @@ def plot(results: Dict[str, Any], path: Path) -> None:
                 pts = [cell[(task, label, s)] for s in sizes if (task, label, s) in cell]
                 if not pts:
                     continue
-                style = dict(color='grey', linestyle='--') if label == 'none' and label not in labels else {}
+                style = dict(color='grey', linestyle='--') if label == 'none' and label not in labels else \
+                    dict(linestyle='-.') if label in bases and group.startswith('variants') else {}
                 ax.errorbar([p['size'] for p in pts], [p['mean'] for p in pts],
                             yerr=[p['std'] or 0.0 for p in pts], marker='o', markersize=3, capsize=2,
                             label=label, **style)
