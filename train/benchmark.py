@@ -716,7 +716,8 @@ def published_comparison(results: Dict[str, Any]) -> List[str]:
     measured means at the nearest test size.
 
     ``agrees``: the measured difference has the published sign and exceeds the larger of the two
-    standard deviations; ``reversed``: the opposite sign, beyond it; ``within noise`` otherwise.
+    standard deviations; ``reversed``: the opposite sign, beyond it; ``within noise`` otherwise; with
+    one seed there is no spread, and the verdict says so.
     """
     train, sizes = results['train_size'], results['sizes']
     cell = {(r['task'], r['encoding'], r['size']): r for r in results['summary']}
@@ -737,6 +738,8 @@ def published_comparison(results: Dict[str, Any]) -> List[str]:
             diff = ca['mean'] - cb['mean']
             noise = max(ca['std'] or 0.0, cb['std'] or 0.0)
             verdict = 'agrees' if diff > noise else 'reversed' if diff < -noise else 'within noise'
+            if min(ca['n'], cb['n']) < 2:  # no spread to compare the difference with
+                verdict += ' (one seed)'
             parts += [f'{ca["mean"]:.1f} / {cb["mean"]:.1f}', verdict]
         lines.append(f'| `{claim.better}` > `{claim.worse}` ({claim.source}) | {size} px ({size / train:g}x) | '
                      + ' | '.join(parts) + ' |')
@@ -797,6 +800,8 @@ def plot(results: Dict[str, Any], path: Path) -> None:
         for col, task in enumerate(tasks):
             ax = axes[row][col]
             shown = (['none'] if 'none' in results['encodings'] and 'none' not in labels else []) + labels
+            if len(shown) > 10:  # more lines than the default cycle has colours
+                ax.set_prop_cycle(color=plt.get_cmap('tab20').colors)
             for label in shown:
                 pts = [cell[(task, label, s)] for s in sizes if (task, label, s) in cell]
                 if not pts:
@@ -819,10 +824,9 @@ def plot(results: Dict[str, Any], path: Path) -> None:
                 ax.set_title(f'task {task}', fontsize=10)
             if col == 0:
                 ax.set_ylabel(f'{group}\ntop-1 (%)', fontsize=8)
-            if row == len(groups) - 1:
-                ax.set_xlabel(f'test size (px); dotted: training size {train} px and chance')
             if col == len(tasks) - 1:
                 ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    fig.supxlabel(f'test size (px); dotted lines: the training size ({train} px) and chance', fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100, bbox_inches='tight')
     plt.close(fig)
