@@ -891,7 +891,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument('overrides', nargs='*', help='benchmark.key=value overrides (benchmark.seeds=[0])')
     parser.add_argument('--docs', metavar='RESULTS_JSON', help='update docs/extrapolation-benchmark.md and its '
                                                                'figure from a results file, and exit')
-    args = parser.parse_args(argv)
+    parser.add_argument('--print-config', action='store_true', help='print the validated benchmark section and exit')
+    args = parser.parse_intermixed_args(argv)
     from .logs import setup_logging
     setup_logging(0)
     try:
@@ -903,6 +904,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if not args.config:
             parser.error('give a benchmark config, or --docs RESULTS_JSON')
+        if args.print_config:
+            cfg, _ = load_benchmark(args.config, args.overrides)
+            sys.stdout.write(yaml.safe_dump({'benchmark': to_dict(cfg)}, sort_keys=False))
+            return 0
         results = run_benchmark(args.config, args.overrides)
     except ConfigError as e:
         sys.stderr.write(f'config error: {e}\n')

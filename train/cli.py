@@ -93,8 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument('overrides', nargs='*', help='section.key=value overrides')
     parser.add_argument('--print-config', action='store_true', help='print the validated config and exit')
     args = parser.parse_args(argv)
-    if not args.print_config and is_benchmark_config(args.config):
-        return benchmark_main([args.config, *args.overrides])
+    if is_benchmark_config(args.config):
+        return benchmark_main([args.config, *args.overrides, *(['--print-config'] if args.print_config else [])])
     try:
         if args.print_config:
             cfg, _ = load_config(args.config, args.overrides)
