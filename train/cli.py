@@ -6,7 +6,8 @@ When ``extrapolate.sizes`` (or ``extrapolate.max_tokens``, native aspect ratios)
 checkpoint of every run is evaluated at those sizes (budgets) afterwards and the table is printed
 (and written with a CSV and a plot to ``output_dir/name``).
 A run folder that already holds a run is refused before anything trains unless ``train.resume``
-is set. The same command runs under ``torchrun`` (DDP).
+is set. The same command runs under ``torchrun`` (DDP). A config with a ``benchmark:`` section
+(``configs/benchmark/``) is a benchmark of many runs instead, handed to `train.benchmark`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import List, Optional, Sequence
 
 import yaml
 
+from .benchmark import is_benchmark_config, main as benchmark_main
 from .config import ConfigError, expand_sweep, load_config, to_dict
 from .distributed import barrier, init_distributed, shutdown_distributed
 from .engine import RunResult, Trainer, check_run_dir
@@ -91,6 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument('overrides', nargs='*', help='section.key=value overrides')
     parser.add_argument('--print-config', action='store_true', help='print the validated config and exit')
     args = parser.parse_args(argv)
+    if is_benchmark_config(args.config):
+        return benchmark_main([args.config, *args.overrides, *(['--print-config'] if args.print_config else [])])
     try:
         if args.print_config:
             cfg, _ = load_config(args.config, args.overrides)

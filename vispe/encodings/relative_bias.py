@@ -6,7 +6,7 @@ Neither depends on q or k, so the ``(H, N, N)`` bias of every layer is built onc
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -118,9 +118,11 @@ class SwinRelativeBias(PositionalEncoding):
     A learned table of ``(2h - 1)(2w - 1)`` scalars per head, indexed by the query-minus-key offset
     (Swin's ``relative_position_index``), one table per layer as in Swin (``per_layer=False``
     shares one). Init: truncated normal, std 0.02 (Swin). For a grid other than the training one
-    the table is resized bicubically (``align_corners=False``; timm's
+    the table is resized, by default bicubically (``align_corners=False``; timm's
     ``resize_rel_pos_bias_table_simple``, Swin's fine-tuning recipe), so a larger input
-    interpolates offsets; ``set_grid_size`` resizes the parameter itself.
+    interpolates offsets; ``set_grid_size`` resizes the parameter itself. ``interpolation``
+    chooses the resampling (``bilinear`` stays within the table's range, where bicubic can
+    overshoot between offsets; ``nearest`` repeats entries), as the learned table's option does.
 
     The tables are excluded from weight decay (Swin's ``no_weight_decay_keywords``).
 
@@ -138,13 +140,16 @@ class SwinRelativeBias(PositionalEncoding):
     Args:
         per_layer: one table per layer (True, Swin) or one shared by all layers.
         init_std: std of the truncated-normal init (0: zero tables).
+        interpolation: resampling of the table for another grid (``bicubic``: Swin / timm).
     """
     shift_invariant = True
     larger_input = 'resample'
     paper = 'Liu et al., ICCV 2021 (Swin Transformer), arXiv:2103.14030'
 
-    def __init__(self, ctx: PEContext, *, per_layer: bool = True, init_std: float = 0.02) -> None:
+    def __init__(self, ctx: PEContext, *, per_layer: bool = True, init_std: float = 0.02,
+                 interpolation: Literal['bicubic', 'bilinear', 'nearest'] = 'bicubic') -> None:
         super().__init__(ctx)
+        self.interpolation = interpolation  # checked against its Literal type by the registry
         if ctx.grid_size is None or len(ctx.grid_size) != 2:
             raise ValueError(f"encoding 'swin_rpb' needs the 2D training grid, got grid_size={ctx.grid_size}")
         self.per_layer = per_layer
@@ -162,20 +167,24 @@ class SwinRelativeBias(PositionalEncoding):
             else {'relative_position_bias_table'}
 
     @staticmethod
-    def resize_table(table: torch.Tensor, old: Tuple[int, int], new: Tuple[int, int]) -> torch.Tensor:
-        """Bicubic resize of ``(T, (2h-1)(2w-1), H)`` tables from grid ``old`` to grid ``new``."""
+    def resize_table(table: torch.Tensor, old: Tuple[int, int], new: Tuple[int, int],
+                     mode: str = 'bicubic') -> torch.Tensor:
+        """Resize ``(T, (2h-1)(2w-1), H)`` tables from grid ``old`` to grid ``new`` (``mode``: bicubic,
+        bilinear or nearest)."""
         if static_equal(old, new):  # symbolic sizes resize (the identity when equal) rather than specialize
             return table
         t, _, heads = table.shape
         src = (2 * old[0] - 1, 2 * old[1] - 1)
         dst = (2 * new[0] - 1, 2 * new[1] - 1)
         grid = table.permute(0, 2, 1).reshape(1, t * heads, *src)
-        grid = F.interpolate(grid.float(), size=dst, mode='bicubic', align_corners=False).to(table.dtype)
+        corners = {} if mode == 'nearest' else dict(align_corners=False)  # nearest takes no align_corners
+        grid = F.interpolate(grid.float(), size=dst, mode=mode, **corners).to(table.dtype)
         return grid.reshape(t, heads, dst[0] * dst[1]).permute(0, 2, 1)
 
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         with torch.no_grad():
-            table = self.resize_table(self.relative_position_bias_table.data, self.ctx.grid_size, tuple(grid_size))
+            table = self.resize_table(self.relative_position_bias_table.data, self.ctx.grid_size, tuple(grid_size),
+                                      self.interpolation)
         self.relative_position_bias_table = nn.Parameter(table.contiguous(),
                                                          requires_grad=self.relative_position_bias_table.requires_grad)
         super().set_grid_size(grid_size)
@@ -228,7 +237,7 @@ class SwinRelativeBias(PositionalEncoding):
     def _grid_bias(self, pos_q: Positions) -> torch.Tensor:
         """The bias ``(T, [B,] H, N, N)`` of a grid or of grid tokens (see `_offset_index`)."""
         index, grid = self._offset_index(pos_q)
-        table = self.resize_table(self.relative_position_bias_table, self.ctx.grid_size, grid)
+        table = self.resize_table(self.relative_position_bias_table, self.ctx.grid_size, grid, self.interpolation)
         t, _, heads = table.shape
         table = table.transpose(1, 2)  # (T, H, R): a gather, whose backward is a fast scatter-add
         bias = table.gather(-1, index.reshape(1, 1, -1).expand(t, heads, -1)).view(t, heads, *index.shape)
