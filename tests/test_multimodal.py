@@ -235,7 +235,8 @@ def test_pure_text_ids_are_the_running_index_on_every_axis(scheme):
 def test_pure_text_rotary_equals_1d_rope_exactly(scheme):
     hd, theta = 64, 1e6
     ids, _ = mm.position_ids([[mm.Text(37)], [mm.Text(20)]], scheme=scheme, padding_side='left')
-    rot = mm.MultimodalRotary(hd, theta=theta, scheme=scheme, num_heads=4, head_sections=(1, 2, 1))
+    heads = dict(num_heads=4, head_sections=(1, 2, 1)) if scheme == 'mhrope' else {}  # only mhrope assigns heads
+    rot = mm.MultimodalRotary(hd, theta=theta, scheme=scheme, **heads)
     cos, sin = rot(ids)
     ref_cos, ref_sin = rope_1d_cos_sin(ids[0], hd, theta)
     if scheme == 'mhrope':
@@ -612,7 +613,7 @@ def test_apply_rotary_on_bnhd_layout_and_bfloat16():
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="scheme must be one of"):
         mm.position_ids([mm.Text(2)], scheme='m-rope')
-    with pytest.raises(ValueError, match='accepts options'):
+    with pytest.raises(ValueError, match="unknown option 'delta' for encoding 'vrope'"):
         mm.position_ids([mm.Text(2)], scheme='vrope', delta=3)
     with pytest.raises(ValueError, match='divisible by merge'):
         mm.Image(grid=(1, 5, 4))
@@ -671,11 +672,11 @@ def test_hope_draws_a_temporal_stride_per_video_in_training_only():
 
 
 def test_hope_and_circlerope_bad_options_are_named():
-    with pytest.raises(ValueError, match='HoPE temporal_strides must not be empty'):
+    with pytest.raises(ValueError, match="option 'temporal_strides' of encoding 'hope' must not be empty"):
         mm.get_scheme('hope', temporal_strides=())
-    with pytest.raises(ValueError, match="CircleRoPE radius must be a number, 'auto' or 'auto-<k>'"):
+    with pytest.raises(ValueError, match="option 'radius' of encoding 'circlerope' must be a number, 'auto' or 'auto-<k>'"):
         mm.get_scheme('circlerope', radius='big')
-    with pytest.raises(ValueError, match=r'CircleRoPE alpha must be in \[0, 1\]'):
+    with pytest.raises(ValueError, match=r"option 'alpha' of encoding 'circlerope' must be in \[0, 1\]"):
         mm.get_scheme('circlerope', alpha=-1)
-    with pytest.raises(ValueError, match="CircleRoPE method must be one of"):
+    with pytest.raises(ValueError, match=r"option 'method' of encoding 'circlerope'.*\('circle', 'no_circle'\)"):
         mm.get_scheme('circlerope', method='spiral')
