@@ -678,5 +678,5 @@ def test_hope_and_circlerope_bad_options_are_named():
         mm.get_scheme('circlerope', radius='big')
     with pytest.raises(ValueError, match=r"option 'alpha' of encoding 'circlerope' must be in \[0, 1\]"):
         mm.get_scheme('circlerope', alpha=-1)
-    with pytest.raises(ValueError, match=r"option 'method' of encoding 'circlerope'.*\('circle', 'no_circle'\)"):
+    with pytest.raises(ValueError, match="option 'method' of encoding 'circlerope': 'spiral' is not allowed; allowed values: 'circle', 'no_circle'"):
         mm.get_scheme('circlerope', method='spiral')

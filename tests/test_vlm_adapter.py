@@ -10,7 +10,7 @@ from torch import nn
 
 transformers = pytest.importorskip('transformers')
 
-from vispe import multimodal as mm  # noqa: E402
+import vispe  # noqa: E402
 from vispe.integrations import patch_vlm, transformers_vlm  # noqa: E402
 from vispe_models.qwen_vl import FAMILIES, labels_for, qwen_vl_batch, tiny_qwen_vl  # noqa: E402
 
@@ -24,6 +24,7 @@ INPUTS = {
                           [('text', 2), ('image', (2, 4)), ('text', 1)]],
 }
 _MODELS = {}
+ENCODINGS = tuple(n for n in vispe.list_pes() if vispe.pe_info(n)['family'] == 'multimodal')
 
 
 def model_of(family, **kw):
@@ -79,7 +80,7 @@ def test_explicit_position_ids_from_transformers_give_the_same_logits(family):
 
 # ---------------------------------------------------------------------------------------------- every scheme
 @pytest.mark.parametrize('family', ['qwen2_5_vl', 'qwen3_vl'])
-@pytest.mark.parametrize('scheme', tuple(mm.SCHEMES))
+@pytest.mark.parametrize('scheme', ENCODINGS)
 def test_every_scheme_trains_and_cached_decoding_continues_the_full_sequence(family, scheme):
     """A train step has finite gradients; each cached decoding step's logits equal an uncached forward on
     the whole generated sequence, so prefill ids and the rope_deltas of decoding agree."""
@@ -139,8 +140,8 @@ def test_mhrope_with_fewer_kv_heads_than_axes_needs_head_sections():
     with pytest.raises(ValueError, match=r'2 key/value heads: pass head_sections=\(t, h, w\)'):
         patch_vlm(model, 'mhrope')
     ref = logits(model, batch)
-    with patch_vlm(model, 'mhrope', head_sections=(0, 1, 1)) as handle:
-        assert handle.rotary.rotary.head_layout == 'hw'
+    with patch_vlm(model, 'mhrope:head_sections=0|1|1') as handle:
+        assert handle.encoding.head_layout == 'hw'
         out = logits(model, batch)
     assert not torch.equal(out, ref)
     assert torch.equal(logits(model, batch), ref)
@@ -201,12 +202,12 @@ def test_unsupported_models_and_versions_are_refused(monkeypatch):
     with pytest.raises(TypeError, match='interleaves audio positions'):
         patch_vlm(thinker)
     model = model_of('qwen2_vl')
-    with pytest.raises(ValueError, match='scheme must be None'):
+    with pytest.raises(ValueError, match="pe must be None .the model's own. or one multimodal encoding"):
         patch_vlm(model, 'rope3d')
     with pytest.raises(ValueError, match='rule must be one of'):
         patch_vlm(model, rule='6.x')
-    with pytest.raises(ValueError, match="scheme 'videorope' accepts options"):
-        patch_vlm(model, 'videorope', stride=3)
+    with pytest.raises(ValueError, match="unknown option 'stride' for encoding 'videorope'"):
+        patch_vlm(model, 'videorope:stride=3')
     monkeypatch.setattr(sys.modules['transformers'], '__version__', '4.57.1')  # the module transformers left there
     with pytest.raises(ImportError, match=r'patch_vlm supports transformers >= 5.25, < 6; transformers 4.57.1 is '
                                           r'installed: pip install "vispe\[transformers\]"'):

@@ -85,7 +85,7 @@ class CircleRoPE(MultimodalRoPE):
         self.move_to_origin = check_bool(name, 'move_to_origin', move_to_origin)
         self.move_to_positive, self.method = move_to_positive, method
         self.sections = check_sections(name, sections, self.num_pairs)
-        self.register_buffer('pair_axes', self.allocate_pairs(), persistent=False)
+        self.register_axes()
 
     def allocate_pairs(self) -> Tensor:
         t, h, w = self.sections

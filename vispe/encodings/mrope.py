@@ -103,7 +103,7 @@ class MRoPE(MultimodalRoPE):
         super().__init__(ctx, theta=theta, rotary_dim=rotary_dim)
         self.tokens_per_second = check_tokens_per_second(self.name, tokens_per_second)
         self.sections = check_sections(self.name, sections, self.num_pairs)
-        self.register_buffer('pair_axes', self.allocate_pairs(), persistent=False)
+        self.register_axes()
 
     def allocate_pairs(self) -> Tensor:
         t, h, w = self.sections
@@ -148,11 +148,12 @@ class MRoPEInterleave(MRoPE):
         self.spatial_reset = check_bool(self.name, 'spatial_reset', spatial_reset)
 
     def allocate_pairs(self) -> Tensor:
-        axes = interleaved_mrope_axes(self.num_pairs, self.sections)
-        if tuple(int((axes == a).sum()) for a in range(3)) != self.sections:
+        P, (_, h, w) = self.num_pairs, self.sections
+        fits = len(range(1, min(3 * h, P), 3)) == h and len(range(2, min(3 * w, P), 3)) == w
+        if not fits:
             raise ValueError(f'option sections {self.sections} of encoding {self.name!r} does not fit the interleaved '
                              f'layout of {self.num_pairs} pairs (h and w take every third pair from 1 and 2)')
-        return axes
+        return interleaved_mrope_axes(P, self.sections)
 
     def visual_rows(self, row):
         if not self.spatial_reset:
@@ -192,9 +193,12 @@ class MHRoPE(MRoPEInterleave):
         self.head_sections = hs
         super().__init__(ctx, spatial_reset=spatial_reset, tokens_per_second=tokens_per_second, theta=theta,
                          rotary_dim=rotary_dim)
+
+    def axis_buffers(self):
+        hs, H = self.head_sections, self.ctx.num_heads
         head_axes = torch.cat([torch.full((n,), a, dtype=torch.long) for a, n in enumerate(hs)]
                               + [torch.full((H - sum(hs),), -1, dtype=torch.long)])
-        self.register_buffer('head_axes', head_axes, persistent=False)
+        return {**super().axis_buffers(), 'head_axes': head_axes}
 
     def allocate_pairs(self) -> Tensor:  # every pair of a head reads the head's axis
         return torch.zeros(self.num_pairs, dtype=torch.long)

@@ -168,9 +168,21 @@ class MultimodalRoPE(RotationPE):
         self.register_buffer('inv_freq', axial_frequencies(rotary_dim // 2, theta, step=2.0, dim=rotary_dim),
                              persistent=False)
 
+    def axis_buffers(self) -> Dict[str, Tensor]:
+        """The non-persistent buffers of the axis allocation: ``pair_axes`` (`allocate_pairs`)."""
+        return {'pair_axes': self.allocate_pairs()}
+
+    def register_axes(self) -> None:
+        """Register `axis_buffers` (each subclass's constructor calls it once its options are set)."""
+        for name, value in self.axis_buffers().items():
+            self.register_buffer(name, value, persistent=False)
+
     def init_non_persistent_buffers(self) -> None:
+        device = self.inv_freq.device
         self.inv_freq = axial_frequencies(self.rotary_dim // 2, self.theta, step=2.0, dim=self.rotary_dim,
-                                          device=self.inv_freq.device)
+                                          device=device)
+        for name, value in self.axis_buffers().items():
+            setattr(self, name, value.to(device))
         self.clear_cache()
 
     @property
@@ -388,7 +400,7 @@ class RoPE1D(MultimodalRoPE):
 
     def __init__(self, ctx: PEContext, *, theta: float = 1e6, rotary_dim: Optional[int] = None) -> None:
         super().__init__(ctx, theta=theta, rotary_dim=rotary_dim)
-        self.register_buffer('pair_axes', self.allocate_pairs(), persistent=False)
+        self.register_axes()
 
     def visual_extent(self, seg):
         return seg['n']

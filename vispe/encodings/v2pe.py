@@ -48,7 +48,7 @@ class V2PE(MultimodalRoPE):
         self.tokens_per_tile = (None if tokens_per_tile is None
                                 else check_min_int(self.name, 'tokens_per_tile', tokens_per_tile))
         self.random_in_training = check_bool(self.name, 'random_in_training', random_in_training)
-        self.register_buffer('pair_axes', self.allocate_pairs(), persistent=False)
+        self.register_axes()
 
     @property
     def float_ids(self) -> bool:

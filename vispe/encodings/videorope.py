@@ -51,7 +51,7 @@ class VideoRoPE(MultimodalRoPE):
         self.delta = check_positive(self.name, 'delta', delta)
         self.tokens_per_second = check_tokens_per_second(self.name, tokens_per_second)
         self.sections = check_sections(self.name, sections, self.num_pairs)
-        self.register_buffer('pair_axes', self.allocate_pairs(), persistent=False)
+        self.register_axes()
 
     def allocate_pairs(self) -> Tensor:
         t, h, w = self.sections
@@ -115,7 +115,7 @@ class HoPE(MultimodalRoPE):
                                       for x in temporal_strides)
         self.random_in_training = check_bool(self.name, 'random_in_training', random_in_training)
         self.sections = check_sections(self.name, sections, self.num_pairs)
-        self.register_buffer('pair_axes', self.allocate_pairs(), persistent=False)
+        self.register_axes()
 
     def allocate_pairs(self) -> Tensor:
         _, h, w = self.sections

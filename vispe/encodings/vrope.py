@@ -30,7 +30,7 @@ class VRoPE(MultimodalRoPE):
 
     def __init__(self, ctx: PEContext, *, theta: float = 1e6, rotary_dim: Optional[int] = None) -> None:
         super().__init__(ctx, theta=theta, rotary_dim=rotary_dim)
-        self.register_buffer('pair_axes', self.allocate_pairs(), persistent=False)
+        self.register_axes()
 
     def allocate_pairs(self) -> torch.Tensor:
         return torch.arange(self.num_pairs) % 4
