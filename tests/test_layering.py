@@ -18,13 +18,14 @@ VISPE_LAYERS: List[Tuple[str, ...]] = [
     ('vispe._compiled_state',),  # the contract's cache of costly states for compiled eval
     ('vispe.contract',),  # what an encoding is: the hooks, PEContext, PreparedPE
     ('vispe.registry', 'vispe.rotary'),
-    ('vispe.encodings', 'vispe.multimodal'),
+    ('vispe.encodings',),
     ('vispe.attention', 'vispe.weights', 'vispe.naflex'),
     ('vispe.layers',),  # PE-aware timm attention and blocks
     ('vispe.host',),
     ('vispe.vit',),
     ('vispe.zoo', 'vispe.released'),  # checkpoints released with papers, loaded into vispe ViTs
     ('vispe.integrations',),  # adapters into other libraries' models
+    ('vispe.multimodal',),  # deprecated names of the multimodal encodings, over encodings and the transformers adapter
     ('vispe', 'vispe.__main__'),
 ]
 PACKAGES = {'vispe': 'vispe', 'vispe_models': 'models', 'vispe_train': 'train'}

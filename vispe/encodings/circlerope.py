@@ -2,19 +2,25 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Literal, Optional, Tuple, Union
+from typing import Dict, Literal, Optional, Tuple
 
 import torch
 
 from ..contract import PEContext
 from ..registry import register_pe
-from ._checks import check_bool
+from ._checks import check_bool, check_positive
 from .mrope import check_sections
 from .multimodal import MULTIMODAL_FAMILY, MultimodalRoPE, Runs
 
 __all__ = ['CircleRoPE']
 
 Tensor = torch.Tensor
+
+
+def check_finite(name: str, option: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f'option {option!r} of encoding {name!r} must be a finite number, got {value!r}')
+    return value
 
 
 def _unit_interval(name: str, option: str, value: float) -> float:
@@ -33,17 +39,20 @@ class CircleRoPE(MultimodalRoPE):
     2 pi k / (H W)`` (``k`` the raster index) and the point ``radius * (cos, sin)``, expressed in the
     orthonormal basis ``u = (-1, 1, 0)/sqrt 2``, ``v = (1, 1, 1)/sqrt 3 x u`` of that plane (ids
     ``(t, h, w)`` = components ``(z, y, x)``); ``dff_rate`` mixes in the un-mapped grid projected the same
-    way, ``move_to_positive`` shifts the block by its smallest coordinate (plus an offset). Frame ``f`` of a
-    video is the first frame's ring moved by ``f * temporal_stride`` on every axis (the reference's video
-    extension). The block sits at ``s +`` those coordinates and the next segment starts at ``max over all
+    way, ``move_to_positive`` shifts the block by its smallest coordinate (plus ``positive_offset``).
+    Frame ``f`` of a video is the first frame's ring moved by ``f * temporal_stride`` on every axis (the
+    reference's video extension). The block sits at ``s +`` those coordinates and the next segment starts at ``max over all
     axes + 1``. Computed in float32 as the reference, returned as float64. Rotary: M-RoPE's chunked sections.
 
     Args:
-        radius: circle radius, or ``'auto'`` / ``'auto-k'`` (``k`` times the largest coordinate).
+        radius: circle radius.
+        auto_radius: instead of ``radius``, ``auto_radius`` times the largest coordinate of the block (the
+            reference's ``'auto'`` is 1, ``'auto-k'`` is ``k``).
         alpha: weight of the normalised original angle against the raster-index angle, in [0, 1].
         temporal_stride: spacing of a video's rings.
         move_to_origin: centre the grid before mapping.
-        move_to_positive: False, ``'auto'`` (shift by the smallest coordinate) or an extra offset.
+        move_to_positive: shift the block by its smallest coordinate (the reference's ``'auto'``).
+        positive_offset: a further shift with ``move_to_positive`` (the reference's numeric value).
         dff_rate: weight in [0, 1] of the un-mapped coordinates (0: the circle only; the reference's
             documented example passes ``True``, i.e. 1).
         method: ``'circle'`` or ``'no_circle'`` (the grid projected onto the plane, no circle).
@@ -56,34 +65,22 @@ class CircleRoPE(MultimodalRoPE):
     video_blocks = 'frame'
     row_runs = False
 
-    def __init__(self, ctx: PEContext, *, radius: Union[float, str] = 10.0, alpha: float = 0.5,
-                 temporal_stride: float = 1.0, move_to_origin: bool = True,
-                 move_to_positive: Union[bool, float, str] = False, dff_rate: float = 0.0,
-                 method: Literal['circle', 'no_circle'] = 'circle', sections: Optional[Tuple[int, int, int]] = None,
+    def __init__(self, ctx: PEContext, *, radius: float = 10.0, auto_radius: Optional[float] = None,
+                 alpha: float = 0.5, temporal_stride: float = 1.0, move_to_origin: bool = True,
+                 move_to_positive: bool = False, positive_offset: float = 0.0, dff_rate: float = 0.0,
+                 method: Literal['circle', 'no_circle'] = 'circle', sections: Optional[Tuple[int, ...]] = None,
                  theta: float = 1e6, rotary_dim: Optional[int] = None) -> None:
         super().__init__(ctx, theta=theta, rotary_dim=rotary_dim)
         name = self.name
-        self._radius_scale: Optional[float] = None
-        if isinstance(radius, str):
-            scale = radius[len('auto-'):] if radius.startswith('auto-') else '1' if radius == 'auto' else None
-            try:
-                self._radius_scale = float(scale) if scale is not None else None
-            except ValueError:
-                self._radius_scale = None
-            if self._radius_scale is None:
-                raise ValueError(f"option 'radius' of encoding {name!r} must be a number, 'auto' or 'auto-<k>', "
-                                 f'got {radius!r}')
+        self.radius = check_positive(name, 'radius', radius)
+        self.auto_radius = None if auto_radius is None else check_positive(name, 'auto_radius', auto_radius)
         self.alpha = _unit_interval(name, 'alpha', alpha)
         self.dff_rate = _unit_interval(name, 'dff_rate', dff_rate)
-        if not temporal_stride > 0:
-            raise ValueError(f"option 'temporal_stride' of encoding {name!r} must be > 0, got {temporal_stride!r}")
-        if not (move_to_positive is False or move_to_positive == 'auto'
-                or (isinstance(move_to_positive, (int, float)) and not isinstance(move_to_positive, bool))):
-            raise ValueError(f"option 'move_to_positive' of encoding {name!r} must be false, 'auto' or a number, "
-                             f'got {move_to_positive!r}')
-        self.radius, self.temporal_stride = radius, float(temporal_stride)
+        self.temporal_stride = float(check_positive(name, 'temporal_stride', temporal_stride))
         self.move_to_origin = check_bool(name, 'move_to_origin', move_to_origin)
-        self.move_to_positive, self.method = move_to_positive, method
+        self.move_to_positive = check_bool(name, 'move_to_positive', move_to_positive)
+        self.positive_offset = float(check_finite(name, 'positive_offset', positive_offset))
+        self.method = method
         self.sections = check_sections(name, sections, self.num_pairs)
         self.register_axes()
 
@@ -122,8 +119,8 @@ class CircleRoPE(MultimodalRoPE):
         flat_x, flat_y = x[None] * u[:, None], y[None] * v[:, None]
         plane = flat_x + flat_y  # the grid itself in the plane orthogonal to (1, 1, 1): (3, M)
         if self.method == 'circle':
-            if self._radius_scale is not None:
-                radius = (hi.amax(0).abs() * self._radius_scale)[blk]
+            if self.auto_radius is not None:
+                radius = (hi.amax(0).abs() * self.auto_radius)[blk]
             else:
                 radius = torch.full_like(x, float(self.radius))
             theta = torch.atan2(y, x)
@@ -139,8 +136,8 @@ class CircleRoPE(MultimodalRoPE):
             coords = plane
         if self.dff_rate:
             coords = (1 - self.dff_rate) * coords + self.dff_rate * plane
-        if self.move_to_positive is not False:
-            offset = 0.0 if self.move_to_positive == 'auto' else float(self.move_to_positive)
+        if self.move_to_positive:
+            offset = self.positive_offset
             lo = torch.full((K,), math.inf, dtype=f32, device=dev).scatter_reduce(0, blk, coords.amin(0), 'amin')
             coords = coords + lo.abs()[blk] + offset
         ids = coords.flip(0)  # (t, h, w) = components (z, y, x)

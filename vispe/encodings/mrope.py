@@ -98,7 +98,7 @@ class MRoPE(MultimodalRoPE):
     paper = 'Wang et al., Qwen2-VL, arXiv:2409.12191; Bai et al., Qwen2.5-VL, arXiv:2502.13923'
 
     def __init__(self, ctx: PEContext, *, tokens_per_second: Optional[float] = 2.0,
-                 sections: Optional[Tuple[int, int, int]] = None, theta: float = 1e6,
+                 sections: Optional[Tuple[int, ...]] = None, theta: float = 1e6,
                  rotary_dim: Optional[int] = None) -> None:
         super().__init__(ctx, theta=theta, rotary_dim=rotary_dim)
         self.tokens_per_second = check_tokens_per_second(self.name, tokens_per_second)
@@ -182,7 +182,7 @@ class MHRoPE(MRoPEInterleave):
     """
     paper = 'Huang et al., arXiv:2510.23095 (MHRoPE)'
 
-    def __init__(self, ctx: PEContext, *, head_sections: Optional[Tuple[int, int, int]] = None,
+    def __init__(self, ctx: PEContext, *, head_sections: Optional[Tuple[int, ...]] = None,
                  spatial_reset: bool = False, tokens_per_second: Optional[float] = 2.0, theta: float = 1e6,
                  rotary_dim: Optional[int] = None) -> None:
         H = ctx.num_heads

@@ -45,7 +45,7 @@ class VideoRoPE(MultimodalRoPE):
     paper = 'Wei et al., VideoRoPE, arXiv:2502.05173'
 
     def __init__(self, ctx: PEContext, *, delta: float = 2.0, tokens_per_second: Optional[float] = None,
-                 sections: Optional[Tuple[int, int, int]] = None, theta: float = 1e6,
+                 sections: Optional[Tuple[int, ...]] = None, theta: float = 1e6,
                  rotary_dim: Optional[int] = None) -> None:
         super().__init__(ctx, theta=theta, rotary_dim=rotary_dim)
         self.delta = check_positive(self.name, 'delta', delta)
@@ -105,7 +105,7 @@ class HoPE(MultimodalRoPE):
 
     def __init__(self, ctx: PEContext, *, temporal_stride: float = 1.0,
                  temporal_strides: Tuple[float, ...] = (0.5, 0.75, 1.0, 1.25, 1.5), random_in_training: bool = True,
-                 sections: Optional[Tuple[int, int, int]] = None, theta: float = 1e6,
+                 sections: Optional[Tuple[int, ...]] = None, theta: float = 1e6,
                  rotary_dim: Optional[int] = None) -> None:
         super().__init__(ctx, theta=theta, rotary_dim=rotary_dim)
         self.temporal_stride = float(check_positive(self.name, 'temporal_stride', temporal_stride))

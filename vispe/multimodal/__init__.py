@@ -61,13 +61,35 @@ def _class(scheme: str):
     return SCHEMES[scheme]
 
 
+def _circlerope_options(options: dict) -> dict:
+    """Circle-RoPE's old option values: ``radius='auto'`` / ``'auto-k'`` and ``move_to_positive='auto'`` / a
+    number, which the encoding spells ``auto_radius=k`` and ``move_to_positive=True, positive_offset=x``."""
+    options = dict(options)
+    radius = options.get('radius')
+    if isinstance(radius, str):
+        scale = radius[len('auto-'):] if radius.startswith('auto-') else '1' if radius == 'auto' else None
+        try:
+            options['auto_radius'] = float(scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"option 'radius' of encoding 'circlerope' must be a number, 'auto' or 'auto-<k>' "
+                             f'(the encoding\'s auto_radius=k), got {radius!r}') from None
+        del options['radius']
+    move = options.get('move_to_positive')
+    if move == 'auto':
+        options['move_to_positive'] = True
+    elif isinstance(move, (int, float)) and not isinstance(move, bool):
+        options.update(move_to_positive=True, positive_offset=float(move))
+    return options
+
+
 def get_scheme(scheme: Union[str, MultimodalRoPE], **options: Any) -> MultimodalRoPE:
     """The encoding of an old scheme name with its options (or the encoding itself), for its ids."""
     if isinstance(scheme, MultimodalRoPE):
         if options:
             raise ValueError(f'options {sorted(options)} given with an encoding instance; set them when building it')
         return scheme
-    return _class(scheme)(_context(), **options)
+    cls = _class(scheme)
+    return cls(_context(), **(_circlerope_options(options) if cls is CircleRoPE else options))
 
 
 def position_ids(inputs, *, scheme: Union[str, MultimodalRoPE] = 'mrope', image_grid_thw=None, video_grid_thw=None,
