@@ -426,7 +426,8 @@ def install_pe(model: nn.Module, pe: PESpec, *, label: str, loaded_grid: Optiona
     caps = enc.capabilities
     if caps.requires:
         raise ValueError(f'{label}: pe={pe!r} needs {sorted(caps.requires)} in its positions, which an image '
-                         'ViT does not supply (use a camera-aware host)')
+                         "ViT does not supply (a camera-aware host supplies 'cameras'; language-model code "
+                         "builds 'segments' with vispe.sequence)")
     if any(is_differential(a) for b in model.blocks for a in attentions(b)):
         _check_differential(enc, pe, label)
     drop_rate = getattr(model.patch_drop, 'prob', 0.0) if model.patch_drop is not None else 0.0

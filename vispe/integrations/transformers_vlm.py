@@ -75,13 +75,15 @@ class _Family:
     encoding: str              # the model's own encoding
     video_blocks: str          # how the processor lays a video out in the token ids
     timed: bool                # Qwen2.5-VL: video time ids from tokens_per_second * second_per_grid_ts
+    needs_types: bool          # compute_3d_position_ids raises on multimodal inputs without mm_token_type_ids
+    # (Qwen2.5-VL's instead leaves the positions to the language model's 1D default)
 
 
 _FAMILIES = {
-    'qwen2_vl': _Family('Qwen2-VL', 'mrope', 'video', timed=False),
-    'qwen2_5_vl': _Family('Qwen2.5-VL', 'mrope', 'video', timed=True),
-    'qwen3_vl': _Family('Qwen3-VL', 'mrope_interleave', 'frame', timed=False),
-    'qwen3_vl_moe': _Family('Qwen3-VL-MoE', 'mrope_interleave', 'frame', timed=False),
+    'qwen2_vl': _Family('Qwen2-VL', 'mrope', 'video', timed=False, needs_types=True),
+    'qwen2_5_vl': _Family('Qwen2.5-VL', 'mrope', 'video', timed=True, needs_types=False),
+    'qwen3_vl': _Family('Qwen3-VL', 'mrope_interleave', 'frame', timed=False, needs_types=True),
+    'qwen3_vl_moe': _Family('Qwen3-VL-MoE', 'mrope_interleave', 'frame', timed=False, needs_types=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 _REFUSED = {
@@ -291,20 +293,21 @@ class VLMPatch(ModelPatch):
     def compute_3d_position_ids(self, input_ids: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None,
                                 image_grid_thw: Optional[Tensor] = None, video_grid_thw: Optional[Tensor] = None,
                                 attention_mask: Optional[Tensor] = None, cache: Any = None,
-                                mm_token_type_ids: Optional[Tensor] = None, **kwargs: Any) -> Optional[Tensor]:
+                                second_per_grid_ts: Optional[Tensor] = None, mm_token_type_ids: Optional[Tensor] = None,
+                                **kwargs: Any) -> Optional[Tensor]:
         """The model's ``compute_3d_position_ids`` with vispe's ids: transformers' branches and refusals (a
         copy of transformers 5.25's; tests/test_vlm_adapter.py checks it against the installed one)."""
         cache = kwargs.get('past_key_values', cache)
-        second_per_grid_ts = kwargs.get('second_per_grid_ts')
         cache_length = 0 if cache is None else cache.get_seq_length()
         inner = self.inner
         multimodal = image_grid_thw is not None or video_grid_thw is not None
-        if multimodal and mm_token_type_ids is None and input_ids is not None:
+        if multimodal and mm_token_type_ids is None and input_ids is not None and self.family_spec.needs_types:
             raise ValueError(
                 'Multimodal data was passed (via `image_grid_thw` or `video_grid_thw`) but `mm_token_type_ids` is '
                 'missing. Please pass `mm_token_type_ids` to the model so that multimodal RoPE (M-RoPE) can be '
                 'computed correctly. `mm_token_type_ids` is returned by the processor alongside `input_ids`.')
-        if input_ids is not None and multimodal and (inner.rope_deltas is None or cache_length == 0):
+        can_compute = input_ids is not None and mm_token_type_ids is not None and multimodal
+        if can_compute and (inner.rope_deltas is None or cache_length == 0):
             ids, delta = self.rope_index(input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw,
                                          attention_mask, second_per_grid_ts)
             inner.rope_deltas = delta
