@@ -674,9 +674,11 @@ def test_hope_draws_a_temporal_stride_per_video_in_training_only():
 def test_hope_and_circlerope_bad_options_are_named():
     with pytest.raises(ValueError, match="option 'temporal_strides' of encoding 'hope' must not be empty"):
         mm.get_scheme('hope', temporal_strides=())
-    with pytest.raises(ValueError, match="option 'radius' of encoding 'circlerope' must be a number, 'auto' or 'auto-<k>'"):
+    with pytest.raises(ValueError,
+                       match="option 'radius' of encoding 'circlerope' must be a number, 'auto' or 'auto-<k>'"):
         mm.get_scheme('circlerope', radius='big')
     with pytest.raises(ValueError, match=r"option 'alpha' of encoding 'circlerope' must be in \[0, 1\]"):
         mm.get_scheme('circlerope', alpha=-1)
-    with pytest.raises(ValueError, match="option 'method' of encoding 'circlerope': 'spiral' is not allowed; allowed values: 'circle', 'no_circle'"):
+    with pytest.raises(ValueError, match="option 'method' of encoding 'circlerope': 'spiral' is not allowed; "
+                                         "allowed values: 'circle', 'no_circle'"):
         mm.get_scheme('circlerope', method='spiral')

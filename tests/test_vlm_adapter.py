@@ -227,7 +227,8 @@ def test_patched_vlm_deep_copies_into_an_independent_patched_model(spec):
     from adapter_checks import check_deepcopy
     family = 'qwen3_vl' if spec is None else 'qwen2_vl'
     model = tiny_qwen_vl(family, layers=1)
-    check_deepcopy(model, lambda m: patch_vlm(m, spec), _eval_logits(qwen_vl_batch(family, INPUTS['mixed_left_padded'])))
+    batch = qwen_vl_batch(family, INPUTS['mixed_left_padded'])
+    check_deepcopy(model, lambda m: patch_vlm(m, spec), _eval_logits(batch))
 
 
 @pytest.mark.parametrize('spec', ['mhrope', 'v2pe'])
@@ -355,8 +356,8 @@ def test_compute_3d_position_ids_copy_follows_the_installed_transformers(family)
     no_grids = dict.fromkeys(grids)
     mask_next = torch.cat([batch['attention_mask'], torch.ones(B, 1, dtype=torch.long)], 1)
     cases = {
-        'prefill': (None, dict(input_ids=batch['input_ids'], inputs_embeds=embeds, attention_mask=batch['attention_mask'],
-                               mm_token_type_ids=batch['mm_token_type_ids'], cache=None, **grids)),
+        'prefill': (None, dict(input_ids=batch['input_ids'], inputs_embeds=embeds, cache=None, **grids,
+                               attention_mask=batch['attention_mask'], mm_token_type_ids=batch['mm_token_type_ids'])),
         'decoding with a mask': ('prefill', dict(input_ids=batch['input_ids'][:, :1], inputs_embeds=step,
                                                  attention_mask=mask_next, cache=_Cache(L), **grids,
                                                  mm_token_type_ids=batch['mm_token_type_ids'])),

@@ -41,8 +41,9 @@ class CircleRoPE(MultimodalRoPE):
     ``(t, h, w)`` = components ``(z, y, x)``); ``dff_rate`` mixes in the un-mapped grid projected the same
     way, ``move_to_positive`` shifts the block by its smallest coordinate (plus ``positive_offset``).
     Frame ``f`` of a video is the first frame's ring moved by ``f * temporal_stride`` on every axis (the
-    reference's video extension). The block sits at ``s +`` those coordinates and the next segment starts at ``max over all
-    axes + 1``. Computed in float32 as the reference, returned as float64. Rotary: M-RoPE's chunked sections.
+    reference's video extension). The block sits at ``s +`` those coordinates and the next segment starts
+    at ``max over all axes + 1``. Computed in float32 as the reference, returned as float64. Rotary:
+    M-RoPE's chunked sections.
 
     Args:
         radius: circle radius.

@@ -33,7 +33,6 @@ enter the id builder as an `IdRule`; vispe's own is the published one (Qwen2.5-V
 """
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Dict, Optional, Sequence, Tuple
 
 import torch

@@ -141,7 +141,8 @@ def table_from_token_ids(
     if mm_token_type_ids is not None:
         types = torch.as_tensor(mm_token_type_ids, device=device)
         if types.shape != input_ids.shape:
-            raise ValueError(f'mm_token_type_ids shape {tuple(types.shape)} != input_ids shape {tuple(input_ids.shape)}')
+            raise ValueError(f'mm_token_type_ids shape {tuple(types.shape)} != input_ids shape '
+                             f'{tuple(input_ids.shape)}')
         flat_kind = (types[keep] if attention_mask is not None else types.reshape(-1)).long()
         if ((flat_kind < 0) | (flat_kind > 2)).any():
             raise ValueError('mm_token_type_ids must hold 0 (text), 1 (image) or 2 (video)')

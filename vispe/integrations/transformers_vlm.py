@@ -120,7 +120,8 @@ def _parts(model: nn.Module) -> Tuple[nn.Module, str]:
                                     f'{", ".join(SUPPORTED_MODEL_TYPES)} (their *ForConditionalGeneration and *Model '
                                     'classes)')
     if model_type not in _FAMILIES:
-        raise UnsupportedModelError(f'patch_vlm supports transformers models of type {", ".join(SUPPORTED_MODEL_TYPES)} '
+        raise UnsupportedModelError(f'patch_vlm supports transformers models of type '
+                                    f'{", ".join(SUPPORTED_MODEL_TYPES)} '
                                     f'(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE; *ForConditionalGeneration or '
                                     f'*Model), got {type(model).__name__} (model_type={model_type!r})')
     inner = model.model if isinstance(getattr(model, 'model', None), nn.Module) and hasattr(
@@ -410,8 +411,8 @@ def _spec(pe: Any, legacy: Dict[str, Any]) -> Tuple[Optional[str], Dict[str, Any
     except ValueError as e:
         raise ValueError(f'patch_vlm: {e}') from None
     if len(parts) != 1 or parts[0][0] not in names:
-        raise ValueError(f"patch_vlm: pe must be None (the model's own) or one multimodal encoding ({', '.join(names)}), "
-                         f'got {short_repr(pe)}')
+        raise ValueError(f"patch_vlm: pe must be None (the model's own) or one multimodal encoding "
+                         f"({', '.join(names)}), got {short_repr(pe)}")
     name, options = parts[0]
     twice = sorted(set(options) & set(legacy))
     if twice:
