@@ -175,3 +175,24 @@ def test_an_integer_encoding_refuses_a_fractional_offset():
         build('mrope').position_ids(sequence([Text(2)], offset=0.5))
     ids, _ = build('v2pe').position_ids(sequence([Text(2)], offset=0.5))
     assert ids.tolist() == [[0.5, 1.5]]
+
+
+# ---------------------------------------------------------------------- the old names, for one release
+def test_the_deprecated_module_keeps_the_old_names_for_one_release():
+    import importlib
+    import sys
+    sys.modules.pop('vispe.multimodal', None)
+    with pytest.warns(DeprecationWarning, match='vispe.multimodal is deprecated'):
+        mm = importlib.import_module('vispe.multimodal')
+    layout = [mm.Text(3), mm.Image(grid=(1, 4, 6)), mm.Text(2), mm.Video(grid=(2, 4, 4), fps=2.0)]
+    for old, new in (('rope', 'rope_1d'), ('videorope', 'videorope')):
+        ids, delta = mm.position_ids(layout, scheme=old, delta=2.0) if old == 'videorope' else \
+            mm.position_ids(layout, scheme=old)
+        want = build(new + (':delta=2' if old == 'videorope' else '')).position_ids(sequence(layout))
+        assert torch.equal(ids, want[0]) and torch.equal(delta, want[1])
+    rot = mm.MultimodalRotary(16, theta=1e4, scheme='mhrope', num_heads=4)
+    new = build('mhrope:theta=1e4', heads=4)
+    assert rot.head_layout == new.head_layout and torch.equal(rot(ids)[0], new.cos_sin(ids)[0])
+    old = mm.get_scheme('circlerope', radius='auto-2', move_to_positive=0.5)
+    assert (old.auto_radius, old.move_to_positive, old.positive_offset) == (2.0, True, 0.5)
+    assert mm.SCHEMES['rope'] is vispe.pe_info('rope_1d')['cls']
