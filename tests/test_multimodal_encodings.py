@@ -105,6 +105,15 @@ def test_eval_cache_serves_the_same_sequence_and_not_another_layout():
     assert not torch.equal(timed.state.q[0], untimed.state.q[0])
 
 
+def test_frequencies_stay_float32_when_the_module_is_cast():
+    pe = build('mrope_interleave')
+    ids, _ = pe.position_ids(sequence(LAYOUTS[0]))
+    want = pe.cos_sin(ids)
+    for dtype in (torch.bfloat16, torch.float16):
+        got = pe.to(dtype).cos_sin(ids)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), dtype
+
+
 def test_a_grid_is_no_multimodal_sequence():
     with pytest.raises(ValueError, match=r"encoding 'mrope' reads the segments of a multimodal sequence.*"
                                          r"vispe.sequence"):

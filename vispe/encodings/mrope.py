@@ -221,7 +221,7 @@ class MHRoPE(MRoPEInterleave):
             pos = pos[:, None]
         rotated = self.head_axes >= 0
         per_head = pos[self.head_axes.clamp(min=0)].movedim(0, -2)  # (B, H, N)
-        ang = per_head[..., None] * self.inv_freq
+        ang = per_head[..., None] * self.inv_freq(pos.device)
         if bool(rotated.all()):
             return ang
         return ang * rotated[:, None, None].to(ang.dtype)  # angle 0: identity for unassigned heads

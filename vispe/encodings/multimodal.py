@@ -152,7 +152,6 @@ class MultimodalRoPE(RotationPE):
     requires = frozenset({'segments'})
     larger_input = 'extrapolate'
     rotation_kind = 'half_table'
-    inv_freq: Tensor
 
     def __init__(self, ctx: PEContext, *, theta: float = 1e6, rotary_dim: Optional[int] = None) -> None:
         super().__init__(ctx)
@@ -163,9 +162,6 @@ class MultimodalRoPE(RotationPE):
             raise ValueError(f'option rotary_dim of encoding {self.name!r} must be even and in (0, head_dim={hd}], '
                              f'got {rotary_dim}')
         self.rotary_dim = rotary_dim
-        # Llama / Qwen2-VL: 1 / theta ** (arange(0, d, 2) / d) in float32
-        self.register_buffer('inv_freq', axial_frequencies(rotary_dim // 2, theta, step=2.0, dim=rotary_dim),
-                             persistent=False)
 
     def axis_buffers(self) -> Dict[str, Tensor]:
         """The non-persistent buffers of the axis allocation: ``pair_axes`` (`allocate_pairs`)."""
@@ -177,12 +173,17 @@ class MultimodalRoPE(RotationPE):
             self.register_buffer(name, value, persistent=False)
 
     def init_non_persistent_buffers(self) -> None:
-        device = self.inv_freq.device
-        self.inv_freq = axial_frequencies(self.rotary_dim // 2, self.theta, step=2.0, dim=self.rotary_dim,
-                                          device=device)
+        device = self.pair_axes.device
         for name, value in self.axis_buffers().items():
             setattr(self, name, value.to(device))
         self.clear_cache()
+
+    def inv_freq(self, device: Optional[torch.device] = None) -> Tensor:
+        """Llama's / Qwen2-VL's frequencies ``1 / theta ** (arange(0, r, 2) / r)``, in float32 whatever the
+        module's dtype (a table cast to bfloat16 with the model would round them)."""
+        device = torch.device(device) if device is not None else self.pair_axes.device
+        return self.tensor_cache.get(('inv_freq', device), lambda: axial_frequencies(
+            self.num_pairs, self.theta, step=2.0, dim=self.rotary_dim, device=device))
 
     @property
     def num_pairs(self) -> int:
@@ -330,7 +331,7 @@ class MultimodalRoPE(RotationPE):
             shape = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
             raise ValueError(f'encoding {self.name!r} takes ids of shape ({A}, N) or ({A}, B, N), got {shape}')
         pos = ids.float()
-        f = self.inv_freq
+        f = self.inv_freq(pos.device)
         axes = self.pair_axes
         if A == 1:
             return pos[0][..., None] * f

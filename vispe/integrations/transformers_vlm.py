@@ -468,14 +468,11 @@ def patch_vlm(model: nn.Module, pe: PESpec = None, *, rule: Optional[str] = None
                          f'{kv_heads} key/value heads: pass head_sections=(t, h, w) summing to at most '
                          f"{kv_heads} ('mhrope:head_sections=0|1|1'; an axis with 0 heads is not encoded), or use "
                          'mrope_interleave')
-    old = inner.language_model.rotary_emb
-    inv_freq = getattr(old, 'inv_freq', None)
+    inv_freq = getattr(inner.language_model.rotary_emb, 'inv_freq', None)
     ctx = PEContext(dim=kv_heads * head_dim, num_heads=kv_heads, head_dim=head_dim)
-    encoding = create_pe({'name': name, **defaults, **options}, ctx)
-    if inv_freq is not None:
-        encoding.to(inv_freq.device)
-        if inv_freq.shape == encoding.inv_freq.shape:
-            encoding.inv_freq.copy_(inv_freq)  # the model's own frequencies, bit for bit
+    # the model's frequencies are Llama's 1 / theta ** (arange(0, d, 2) / d), computed by the encoding in float32
+    encoding = create_pe({'name': name, **defaults, **options}, ctx, device=inv_freq.device if inv_freq is not None
+                         else None)
     handle = VLMPatch(model, inner, family, encoding, VLMRotary(encoding), rule)
     attn = [(f'language_model.layers.{i}.self_attn', layer.self_attn)
             for i, layer in enumerate(inner.language_model.layers)]

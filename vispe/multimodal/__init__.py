@@ -139,7 +139,7 @@ class MultimodalRotary(nn.Module):
 
     @property
     def inv_freq(self) -> torch.Tensor:
-        return self.encoding.inv_freq
+        return self.encoding.inv_freq()
 
     @property
     def pair_layout(self) -> Optional[str]:
