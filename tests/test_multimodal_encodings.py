@@ -93,6 +93,18 @@ def test_an_offset_sequence_continues_where_the_prefix_ends(name):
                            full[:, -3:])
 
 
+@pytest.mark.parametrize('side', ['left', 'right'])
+def test_a_sample_of_a_padded_batch_is_that_sequence_alone(side):
+    pe = build('vrope')
+    batch = sequence(LAYOUTS, padding_side=side, offset=torch.tensor([0.0, 3.0, 7.0]))
+    ids, _ = pe.position_ids(batch)
+    for b, lay in enumerate(LAYOUTS):
+        alone = sequence(lay, offset=[0.0, 3.0, 7.0][b])
+        one, _ = pe.position_ids(batch.sample(b))
+        assert torch.equal(one, pe.position_ids(alone)[0])
+        assert torch.equal(ids[:, b][:, ~batch.key_padding_mask[b]], one)
+
+
 def test_eval_cache_serves_the_same_sequence_and_not_another_layout():
     pe = build('mrope').eval()
     with torch.no_grad():
@@ -148,6 +160,17 @@ def test_a_bad_item_in_a_layout_is_named_by_its_index():
         sequence([Text(3), 'image'])
     with pytest.raises(ValueError, match=r"layouts\[1\]\[0\] must be a .* segment, got 5"):
         sequence([[Text(3)], [5]])
+
+
+def test_a_fractional_grid_is_refused_not_truncated():
+    from vispe.integrations.transformers_vlm import QWEN2_VL_TOKEN_IDS, rope_index
+    vs, img = QWEN2_VL_TOKEN_IDS['vision_start_token_id'], QWEN2_VL_TOKEN_IDS['image_token_id']
+    input_ids = torch.tensor([[5, vs] + [img] * 4 + [8]])
+    with pytest.raises(ValueError, match=r'image_grid_thw must hold whole \(T, H, W\) patch counts, got '
+                                         r'\[1.0, 4.5, 4.0\]'):
+        rope_index(build('mrope'), input_ids, image_grid_thw=torch.tensor([[1., 4.5, 4.]]))
+    ids, _ = rope_index(build('mrope'), input_ids, image_grid_thw=torch.tensor([[1., 4., 4.]]))  # whole floats
+    assert ids[0, 0].tolist() == [0, 1, 2, 2, 2, 2, 4]
 
 
 def test_head_sections_are_refused_by_every_encoding_but_mhrope():
