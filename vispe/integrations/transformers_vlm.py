@@ -209,10 +209,9 @@ def _rotate_heads(head_dim: int, module: nn.Module, args: Any, out: Tensor) -> T
 
 def _open_heads(module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
     """Forward pre-hook of an mhrope-patched attention: its head-wise tables, for its projections' hooks."""
-    emb = kwargs.get('position_embeddings')
-    if emb is None and len(args) > 4:  # (hidden_states, attention_mask, position_ids, cache, position_embeddings)
-        emb = args[4]
-    _HEADWISE.set(emb.heads if isinstance(emb, HeadwiseEmbeddings) else None)
+    # by keyword in every supported family's decoder layer; where the argument sits positionally differs by family
+    emb = next((a for a in (kwargs.get('position_embeddings'), *args) if isinstance(a, HeadwiseEmbeddings)), None)
+    _HEADWISE.set(None if emb is None else emb.heads)
 
 
 def _close_heads(module: nn.Module, args: Any, out: Any) -> None:
