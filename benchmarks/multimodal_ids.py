@@ -2,10 +2,11 @@
 
 The sequence: about 1M tokens of text interleaved with 64 images (64 x 64 patches, merge 2: 1024
 tokens each) and 4 timed videos (16 x 64 x 64 patches: 16384 tokens each), in random order. For
-every scheme it reports tokens per second through both interfaces (a layout, and Qwen2-VL token
-ids with ``image_grid_thw`` / ``video_grid_thw``), and two ratios measured in the same process:
+every multimodal encoding it reports tokens per second through both interfaces (``vispe.sequence`` of a
+layout, and Qwen2-VL token ids with ``image_grid_thw`` / ``video_grid_thw`` through the transformers
+adapter's ``rope_index``), and two ratios measured in the same process:
 
-* ``x 1D``: time divided by that of plain 1D text ids (``arange(N)`` expanded to the scheme's axes,
+* ``x 1D``: time divided by that of plain 1D text ids (``arange(N)`` expanded to the encoding's axes,
   what an LLM without images pays), interleaved round by round;
 * ``speedup``: how much faster than a per-image Python loop in the style of transformers'
   Qwen2-VL ``get_rope_index`` (a faithful port below, timed on the same token ids).
@@ -28,10 +29,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
-from vispe import multimodal as mm  # noqa: E402
+import vispe  # noqa: E402
+from vispe import Image, Text, Video  # noqa: E402
+from vispe.integrations.transformers_vlm import QWEN2_VL_TOKEN_IDS, rope_index  # noqa: E402
 from _timing import compare, time_fn  # noqa: E402
 
-IMG, VID, VS = (mm.QWEN2_VL_TOKEN_IDS[k] for k in ('image_token_id', 'video_token_id', 'vision_start_token_id'))
+IMG, VID, VS = (QWEN2_VL_TOKEN_IDS[k] for k in ('image_token_id', 'video_token_id', 'vision_start_token_id'))
+ENCODINGS = [n for n in vispe.list_pes() if vispe.pe_info(n)['family'] == 'multimodal']
+
+
+def encoding(spec: str):
+    return vispe.create_pe(spec, dim=512, num_heads=4)
 
 
 def build_layout(tokens: int, images: int, videos: int, seed: int = 0) -> List:
@@ -45,22 +53,22 @@ def build_layout(tokens: int, images: int, videos: int, seed: int = 0) -> List:
     per = text // (len(kinds) + 1)
     layout = []
     for k in kinds:
-        layout.append(mm.Text(per))
-        layout.append(mm.Image(grid=(1, 64, 64)) if k == 'image' else mm.Video(grid=(16, 64, 64), fps=2.0))
-    layout.append(mm.Text(text - per * len(kinds)))
+        layout.append(Text(per))
+        layout.append(Image(grid=(1, 64, 64)) if k == 'image' else Video(grid=(16, 64, 64), fps=2.0))
+    layout.append(Text(text - per * len(kinds)))
     return layout
 
 
 def token_ids(layout):
     toks, img, vid, secs = [], [], [], []
     for i, seg in enumerate(layout):
-        if isinstance(seg, mm.Text):
-            nxt_visual = i + 1 < len(layout) and not isinstance(layout[i + 1], mm.Text)
+        if isinstance(seg, Text):
+            nxt_visual = i + 1 < len(layout) and not isinstance(layout[i + 1], Text)
             toks.append(torch.full((seg.n,), 7, dtype=torch.long))
             if nxt_visual:
                 toks[-1][-1] = VS
         else:
-            is_img = isinstance(seg, mm.Image)
+            is_img = isinstance(seg, Image)
             toks.append(torch.full((seg.num_tokens,), IMG if is_img else VID, dtype=torch.long))
             (img if is_img else vid).append(seg.grid)
             if not is_img:
@@ -108,7 +116,7 @@ def main() -> None:
     ap.add_argument('--videos', type=int, default=4)
     ap.add_argument('--threads', type=int, default=1)
     ap.add_argument('--rounds', type=int, default=7)
-    ap.add_argument('--schemes', nargs='*', default=list(mm.SCHEMES))
+    ap.add_argument('--schemes', nargs='*', default=ENCODINGS, help='multimodal encoding specs')
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     layout = build_layout(args.tokens, args.images, args.videos)
@@ -117,21 +125,22 @@ def main() -> None:
     print(f'{N} tokens, {args.images} images, {args.videos} videos, {args.threads} thread(s)')
 
     ref = loop_get_rope_index(input_ids, img, vid, secs)
-    fast, _ = mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid, second_per_grid_ts=secs,
-                              rule='4.x')  # the port is of 4.x's get_rope_index
+    fast, _ = rope_index(encoding('mrope'), input_ids, image_grid_thw=img, video_grid_thw=vid,
+                         second_per_grid_ts=secs, rule='4.x')  # the port is of 4.x's get_rope_index
     if not torch.equal(ref, fast[:, 0]):
         raise RuntimeError('vectorised M-RoPE ids differ from the loop reference')
     t_loop = time_fn(lambda: loop_get_rope_index(input_ids, img, vid, secs), warmup=1, iters=3)
 
-    print(f'{"scheme":18s} {"layout Mtok/s":>14s} {"x 1D":>6s} {"token-ids Mtok/s":>17s} {"x 1D":>6s} '
+    print(f'{"encoding":18s} {"layout Mtok/s":>14s} {"x 1D":>6s} {"token-ids Mtok/s":>17s} {"x 1D":>6s} '
           f'{"speedup":>8s}')
     for name in args.schemes:
-        A = mm.get_scheme(name).num_axes
+        pe = encoding(name)
+        A = pe.num_axes
         fns = {
             '1d': lambda: torch.arange(N).expand(A, N).contiguous(),
-            'layout': lambda: mm.position_ids(layout, scheme=name),
-            'ids': lambda: mm.position_ids(input_ids, image_grid_thw=img, video_grid_thw=vid,  # one block per video
-                                           second_per_grid_ts=secs, scheme=name, video_blocks='video'),
+            'layout': lambda: pe.position_ids(vispe.sequence(layout)),
+            'ids': lambda: rope_index(pe, input_ids, image_grid_thw=img, video_grid_thw=vid,  # one block per video
+                                      second_per_grid_ts=secs, video_blocks='video'),
         }
         t = compare(fns, rounds=args.rounds)
         print(f'{name:18s} {N / t["layout"] / 1e6:14.1f} {t["layout"] / t["1d"]:6.1f} '

@@ -3,15 +3,15 @@
 Two measurements, each against transformers' own code in the same process:
 
 * **train step**: forward + loss + backward of a small Qwen-VL model (random init, from a config) on a
-  batch of text, images and videos, patched with the model's own scheme (and, for comparison, with
-  ``--schemes``) over an identical unpatched instance; interleaved rounds, the process CPU clock,
-  one thread (goal: own scheme within 5 %);
+  batch of text, images and videos, patched with the model's own encoding (and, for comparison, with
+  ``--schemes``, encoding specs) over an identical unpatched instance; interleaved rounds, the process
+  CPU clock, one thread (goal: own encoding within 5 %);
 * **ids**: position ids of a ~1M-token multimodal batch (``--tokens``; images and videos among
-  text) through `vispe.multimodal.position_ids` over the model's ``get_rope_index`` on the same
-  token ids (after checking both give the same ids).
+  text) through `vispe.integrations.transformers_vlm.rope_index` over the model's ``get_rope_index``
+  on the same token ids (after checking both give the same ids).
 
     python benchmarks/vlm_adapter.py                        # Qwen2-VL, 1M tokens for the ids
-    python benchmarks/vlm_adapter.py --family qwen3_vl --schemes videorope mhrope
+    python benchmarks/vlm_adapter.py --family qwen3_vl --schemes videorope:delta=2 mhrope
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vispe from this checkout
-from vispe import multimodal as mm  # noqa: E402
+import vispe  # noqa: E402
 from vispe.integrations import patch_vlm  # noqa: E402
-from vispe.integrations.transformers_vlm import _FAMILIES  # noqa: E402
+from vispe.integrations.transformers_vlm import _FAMILIES, rope_index  # noqa: E402
 from vispe_models.qwen_vl import TOKENS, labels_for, qwen_vl_batch, tiny_qwen_vl  # noqa: E402
 from _timing import compare, time_fn  # noqa: E402
 
@@ -79,7 +79,8 @@ def ids_batch(family: str, tokens: int, rows: int, seed: int = 0) -> Dict[str, t
 def main(argv: List[str] = None) -> Dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--family', default='qwen2_vl', choices=tuple(_FAMILIES))
-    p.add_argument('--schemes', nargs='*', default=['videorope'], help='swapped schemes to time beside the own one')
+    p.add_argument('--schemes', nargs='*', default=['videorope'],
+                   help='swapped encodings (specs) to time beside the own one')
     p.add_argument('--hidden', type=int, default=256)
     p.add_argument('--layers', type=int, default=4)
     p.add_argument('--samples', type=int, default=4, help='sequences in the train batch')
@@ -101,7 +102,7 @@ def main(argv: List[str] = None) -> Dict[str, float]:
     for scheme in [None] + list(a.schemes):
         m = tiny_qwen_vl(fam, hidden=a.hidden, heads=heads, kv_heads=max(1, heads // 2), layers=a.layers)
         patch_vlm(m, scheme)
-        name = f'patched {scheme or "own (" + _FAMILIES[fam].scheme + ")"}'
+        name = f'patched {scheme or "own (" + _FAMILIES[fam].encoding + ")"}'
         models[name] = m
         fns[name] = train_step(m, batch)
     times = compare(fns, rounds=a.rounds, per_round=1, warmup=1, clock='process')
@@ -118,12 +119,13 @@ def main(argv: List[str] = None) -> Dict[str, float]:
     kw = {k: ib[k] for k in keys if k in ib}
     fam_cfg = _FAMILIES[fam]
     tps = base.config.vision_config.tokens_per_second if fam_cfg.timed else None
-    opts = {} if fam_cfg.scheme == 'mrope_interleave' else dict(tokens_per_second=tps)
+    opts = {} if fam_cfg.encoding == 'mrope_interleave' else dict(tokens_per_second=tps)
     ids_kw = {k: TOKENS[k] for k in ('image_token_id', 'video_token_id', 'vision_start_token_id')}
+    pe = vispe.create_pe({'name': fam_cfg.encoding, **opts}, dim=a.hidden, num_heads=heads)
 
     def ours():
-        return mm.position_ids(ib['input_ids'], scheme=fam_cfg.scheme, video_blocks=fam_cfg.video_blocks,
-                               spatial_merge_size=2, **ids_kw, **kw, **opts)
+        return rope_index(pe, ib['input_ids'], video_blocks=fam_cfg.video_blocks, spatial_merge_size=2, **ids_kw,
+                          **kw)
 
     def theirs():
         args = dict(kw)
@@ -141,7 +143,7 @@ def main(argv: List[str] = None) -> Dict[str, float]:
     n = int(ib['attention_mask'].sum())
     results['ids speedup'] = t_theirs / t_ours
     print(f'ids, {n} tokens in {ib["input_ids"].shape[0]} rows ({fam}):')
-    print(f'  vispe position_ids   {1e3 * t_ours:9.1f} ms  ({n / t_ours / 1e6:6.1f} M tokens/s)')
+    print(f'  vispe rope_index     {1e3 * t_ours:9.1f} ms  ({n / t_ours / 1e6:6.1f} M tokens/s)')
     print(f'  get_rope_index       {1e3 * t_theirs:9.1f} ms  ({n / t_theirs / 1e6:6.1f} M tokens/s)')
     print(f'  speedup x {t_theirs / t_ours:.1f} (ratio vispe / transformers = {t_ours / t_theirs:.4f})')
     return results

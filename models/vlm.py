@@ -8,10 +8,11 @@
   and k through `vispe.pe_attention` with separate query and key positions (the queries sit on a
   lattice over the image grid).
 * `DecoderLM`: a few pre-norm decoder blocks (RMSNorm, causal attention with multimodal rotary,
-  SwiGLU MLP) whose position-id scheme is an option (`vispe.multimodal.SCHEMES`).
+  SwiGLU MLP) whose position-id scheme is an option: any multimodal encoding of vispe (``mrope``,
+  ``videorope``, ... : `vispe.encodings.multimodal`).
 * `VLM`: ``timm.create_model('vit_tiny', pe=...)`` -> connector -> `DecoderLM`, fed the Qwen2-VL
   token convention (``vision_start``, one image token per visual token) so the ids come from
-  ``mm.position_ids(input_ids, image_grid_thw=...)`` exactly as in LLM code.
+  ``rope_index(encoding, input_ids, image_grid_thw=...)`` exactly as in LLM code (transformers' rule).
 * `ColourGridTask` / `ColourGridDataset`: images of ``G x G`` coloured cells and the question
   "which colour is at row r, column c?", answered with a colour token; generated on the fly (no
   download), item ``i`` reproducible from ``(seed, split, i)``.
@@ -29,7 +30,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import vispe
-from vispe import multimodal as mm
+from vispe.encodings.multimodal import MultimodalRoPE, apply_rotary
+from vispe.integrations.transformers_vlm import rope_index
 
 __all__ = ['MLPProjector', 'Resampler', 'DecoderLM', 'DecoderBlock', 'VLM', 'ColourGridTask', 'ColourGridDataset',
            'SpecialTokens']
@@ -143,7 +145,7 @@ class DecoderBlock(nn.Module):
         q = self.q_proj(x).reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = mm.apply_rotary(q, k, cos, sin)  # the drop-in for transformers' apply_rotary_pos_emb
+        q, k = apply_rotary(q, k, cos, sin)  # the drop-in for transformers' apply_rotary_pos_emb
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -165,8 +167,8 @@ class DecoderLM(nn.Module):
         depth: decoder blocks.
         num_heads: query heads.
         num_kv_heads: key/value heads (GQA); default ``num_heads``.
-        scheme: position-id scheme name (`vispe.multimodal.SCHEMES`).
-        scheme_options: options of the scheme (e.g. ``{'spatial_reset': True}``, ``{'stride': 16}``).
+        scheme: the multimodal encoding (a spec: ``'mrope'``, ``'videorope:delta=2'``, ...).
+        scheme_options: more options of the encoding (e.g. ``{'spatial_reset': True}``, ``{'stride': 16}``).
         theta: rotary base.
         mlp_ratio: SwiGLU hidden width ratio.
     """
@@ -180,8 +182,12 @@ class DecoderLM(nn.Module):
         if dim % num_heads or num_heads % num_kv_heads:
             raise ValueError(f'dim={dim} must be divisible by num_heads={num_heads}, and num_heads by '
                              f'num_kv_heads={num_kv_heads}')
-        self.scheme = mm.get_scheme(scheme, **(scheme_options or {}))
-        self.rotary = mm.MultimodalRotary(dim // num_heads, theta=theta, scheme=self.scheme, num_heads=num_kv_heads)
+        head_dim = dim // num_heads
+        # heads of the encoding: the key/value heads (MHRoPE assigns them to axes; query heads follow theirs)
+        self.pe = vispe.create_pe(scheme, dim=num_kv_heads * head_dim, num_heads=num_kv_heads, head_dim=head_dim,
+                                  theta=theta, **(scheme_options or {}))
+        if not isinstance(self.pe, MultimodalRoPE):
+            raise ValueError(f'scheme must be a multimodal encoding (family multimodal), got {scheme!r}')
         self.embed = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(DecoderBlock(dim, num_heads, num_kv_heads, mlp_ratio) for _ in range(depth))
         self.norm = nn.RMSNorm(dim, eps=1e-6)
@@ -200,7 +206,7 @@ class DecoderLM(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``(B, L, vocab)`` from embeddings ``(B, L, D)`` and ids ``(A, B, L)``."""
         B, L, _ = inputs_embeds.shape
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.pe.cos_sin(position_ids)
         mask = self.causal_mask(attention_mask, B, L, inputs_embeds.device)
         x = inputs_embeds
         for layer in self.layers:
@@ -237,7 +243,7 @@ class VLM(nn.Module):
         num_queries: resampler queries.
         resampler_pe: encoding on the resampler keys.
         lm_dim, lm_depth, lm_heads, lm_kv_heads: LM size.
-        scheme: the LM's position-id scheme; ``scheme_options`` its options.
+        scheme: the LM's multimodal encoding (spec); ``scheme_options`` more of its options.
         theta: LM rotary base.
         tokens: special token ids.
     """
@@ -292,8 +298,8 @@ class VLM(nn.Module):
         m = self.merge
         grid_thw = torch.tensor([[1, grid[0] * m, grid[1] * m]], device=input_ids.device).expand(
             input_ids.shape[0], 3)
-        ids, _ = mm.position_ids(
-            input_ids, image_grid_thw=grid_thw, attention_mask=attention_mask, scheme=self.lm.scheme,
+        ids, _ = rope_index(
+            self.lm.pe, input_ids, image_grid_thw=grid_thw, attention_mask=attention_mask,
             image_token_id=self.tokens.image, video_token_id=self.tokens.video,
             vision_start_token_id=self.tokens.vision_start, spatial_merge_size=m, training=self.training)
         return ids

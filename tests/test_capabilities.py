@@ -18,8 +18,9 @@ B, H, HD, DIM, GRID, NPRE = 2, 2, 16, 32, (4, 4), 1
 DETR_TINY = dict(hidden_dim=16, num_heads=2, enc_layers=2, dec_layers=2, dim_feedforward=32, num_queries=5)
 
 
-def _build(spec: str) -> vispe.PositionalEncoding:
-    pe = vispe.create_pe(spec, dim=DIM, num_heads=H, depth=2, grid_size=GRID, num_prefix_tokens=NPRE)
+def _build(spec) -> vispe.PositionalEncoding:
+    heads = 4 if 'mhrope' in str(spec) else H  # mhrope's default gives the axes t, h, w whole heads
+    pe = vispe.create_pe(spec, dim=DIM, num_heads=heads, depth=2, grid_size=GRID, num_prefix_tokens=NPRE)
     with torch.no_grad():  # zero-initialised tables (iRPE) would hide what a declared hook does
         for p in pe.parameters():
             p.normal_(std=0.5)

@@ -42,7 +42,7 @@ COMPOSITIONS = ['rope_mixed+learned', 'rope_axial+learned', 'irpe+learned', 'sin
                 'learned+rope_timm:rope_type=mixed', 'rope_golden+peg', 'learned+rope_spiral', 'detr_sine+rope_mixed',
                 'learned+irpe', 'rope2d+peg']
 ALL = image_pes() + BLOCK_ROTATIONS + COMPOSITIONS
-CAMERA = [p for p in vispe.list_pes() if vispe.pe_info(p)['cls'].requires]
+CAMERA = [p for p in vispe.list_pes() if 'cameras' in vispe.pe_info(p)['cls'].requires]
 
 # input sizes of the dynamic-shape tests: the training size (32, 32) among others; the first is not
 # square, as dynamo's duck sizing would give height and width one symbol (a recompile for the next)

@@ -54,12 +54,12 @@ def _check(pe: str, mesh) -> dict:
     import vispe
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    cameras = bool(vispe.pe_info(pe)['cls'].requires)
+    cameras = bool(vispe.pe_info(pe)['cls'].requires)  # cameras, or a multimodal sequence: no ViT host
 
     def build(**kwargs):
         if cameras:
-            return vispe.create_pe(pe, dim=TINY['embed_dim'], num_heads=TINY['num_heads'], depth=TINY['depth'],
-                                   **kwargs)
+            heads = 4 if pe == 'mhrope' else TINY['num_heads']  # mhrope's default gives t, h, w whole heads
+            return vispe.create_pe(pe, dim=TINY['embed_dim'], num_heads=heads, depth=TINY['depth'], **kwargs)
         return _vit(pe, **kwargs)
 
     torch.manual_seed(0)

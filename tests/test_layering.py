@@ -18,7 +18,7 @@ VISPE_LAYERS: List[Tuple[str, ...]] = [
     ('vispe._compiled_state',),  # the contract's cache of costly states for compiled eval
     ('vispe.contract',),  # what an encoding is: the hooks, PEContext, PreparedPE
     ('vispe.registry', 'vispe.rotary'),
-    ('vispe.encodings', 'vispe.multimodal'),
+    ('vispe.encodings',),
     ('vispe.checks',),  # position properties as checks: used by the tests and by vispe.doctor
     ('vispe.attention', 'vispe.cross_attention', 'vispe.weights', 'vispe.naflex'),
     ('vispe.layers',),  # PE-aware timm attention and blocks
@@ -26,6 +26,7 @@ VISPE_LAYERS: List[Tuple[str, ...]] = [
     ('vispe.vit',),
     ('vispe.zoo', 'vispe.released'),  # checkpoints released with papers, loaded into vispe ViTs
     ('vispe.integrations', 'vispe.doctor'),  # adapters into other libraries' models; the check of any model
+    ('vispe.multimodal',),  # deprecated names of the multimodal encodings, over encodings and the transformers adapter
     ('vispe', 'vispe.__main__'),
 ]
 PACKAGES = {'vispe': 'vispe', 'vispe_models': 'models', 'vispe_train': 'train'}

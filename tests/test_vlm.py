@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from vispe_models.vlm import VLM, ColourGridDataset, ColourGridTask, DecoderLM, MLPProjector, Resampler
-from vispe import multimodal as mm
+import vispe
+from vispe import Image, Text
+
+MULTIMODAL = tuple(n for n in vispe.list_pes() if vispe.pe_info(n)['family'] == 'multimodal')
+
+
+def ids_of(layout, scheme):
+    """Ids of a `vispe.sequence` (one layout or a batch) under a multimodal encoding."""
+    return vispe.create_pe(scheme, dim=64, num_heads=4).position_ids(vispe.sequence(layout))
 
 
 def test_mlp_projector_merges_each_2x2_window_into_one_token():
@@ -55,15 +63,15 @@ def test_resampler_with_an_attention_encoding_needs_a_square_query_lattice(pe):
     Resampler(8, 16, num_queries=6, num_heads=2, pe='sincos', grid_size=(4, 4))  # keys only: any number
 
 
-@pytest.mark.parametrize('scheme', [s for s in mm.SCHEMES if s != 'hope'])  # HoPE: temporal pairs are NoPE
+@pytest.mark.parametrize('scheme', [s for s in MULTIMODAL if s != 'hope'])  # HoPE: temporal pairs are NoPE
 def test_lm_on_pure_text_equals_1d_rope_for_every_scheme(scheme):
     torch.manual_seed(0)
-    ref = DecoderLM(20, dim=32, depth=2, num_heads=4, num_kv_heads=4, scheme='rope').eval()
+    ref = DecoderLM(20, dim=32, depth=2, num_heads=4, num_kv_heads=4, scheme='rope_1d').eval()
     lm = DecoderLM(20, dim=32, depth=2, num_heads=4, num_kv_heads=4, scheme=scheme).eval()
     lm.load_state_dict(ref.state_dict())
     tokens = torch.randint(20, (2, 9))
-    ids_ref, _ = mm.position_ids([[mm.Text(9)]] * 2, scheme='rope')
-    ids, _ = mm.position_ids([[mm.Text(9)]] * 2, scheme=scheme)
+    ids_ref, _ = ids_of([[Text(9)]] * 2, 'rope_1d')
+    ids, _ = ids_of([[Text(9)]] * 2, scheme)
     with torch.no_grad():
         assert torch.equal(lm(lm.embed(tokens), ids), ref(ref.embed(tokens), ids_ref))
 
@@ -72,7 +80,7 @@ def test_lm_is_causal():
     torch.manual_seed(0)
     lm = DecoderLM(20, dim=48, depth=2, num_heads=6, num_kv_heads=3, scheme='mhrope').eval()  # GQA
     tokens = torch.randint(20, (1, 8))
-    ids, _ = mm.position_ids([[mm.Text(8)]], scheme='mhrope')
+    ids, _ = ids_of([[Text(8)]], 'mhrope')
     other = tokens.clone()
     other[0, 5:] = (other[0, 5:] + 1) % 20
     with torch.no_grad():
@@ -104,8 +112,8 @@ def test_vlm_ids_are_the_layout_ids_of_the_prompt():
     for b in range(3):
         n_real = int(batch['attention_mask'][b].sum())
         # [bos, filler.., vision_start], 2x2 merged image tokens, [vision_end, Q, row, col]
-        layout = [mm.Text(n_real - 4 - 4), mm.Image(grid=(1, 4, 4), merge=2), mm.Text(4)]
-        expected, _ = mm.position_ids(layout, scheme='mrope')
+        layout = [Text(n_real - 4 - 4), Image(grid=(1, 4, 4), merge=2), Text(4)]
+        expected, _ = ids_of(layout, 'mrope')
         assert torch.equal(ids[:, b, -n_real:], expected)
 
 

@@ -10,8 +10,8 @@ from torch import nn
 
 transformers = pytest.importorskip('transformers')
 
-from vispe import multimodal as mm  # noqa: E402
-from vispe.integrations import patch_vlm, transformers_vlm  # noqa: E402
+import vispe  # noqa: E402
+from vispe.integrations import AlreadyPatchedError, patch_vlm, transformers_vlm  # noqa: E402
 from vispe_models.qwen_vl import FAMILIES, labels_for, qwen_vl_batch, tiny_qwen_vl  # noqa: E402
 
 INPUTS = {
@@ -24,6 +24,7 @@ INPUTS = {
                           [('text', 2), ('image', (2, 4)), ('text', 1)]],
 }
 _MODELS = {}
+ENCODINGS = tuple(n for n in vispe.list_pes() if vispe.pe_info(n)['family'] == 'multimodal')
 
 
 def model_of(family, **kw):
@@ -79,7 +80,7 @@ def test_explicit_position_ids_from_transformers_give_the_same_logits(family):
 
 # ---------------------------------------------------------------------------------------------- every scheme
 @pytest.mark.parametrize('family', ['qwen2_5_vl', 'qwen3_vl'])
-@pytest.mark.parametrize('scheme', tuple(mm.SCHEMES))
+@pytest.mark.parametrize('scheme', ENCODINGS)
 def test_every_scheme_trains_and_cached_decoding_continues_the_full_sequence(family, scheme):
     """A train step has finite gradients; each cached decoding step's logits equal an uncached forward on
     the whole generated sequence, so prefill ids and the rope_deltas of decoding agree."""
@@ -139,8 +140,8 @@ def test_mhrope_with_fewer_kv_heads_than_axes_needs_head_sections():
     with pytest.raises(ValueError, match=r'2 key/value heads: pass head_sections=\(t, h, w\)'):
         patch_vlm(model, 'mhrope')
     ref = logits(model, batch)
-    with patch_vlm(model, 'mhrope', head_sections=(0, 1, 1)) as handle:
-        assert handle.rotary.rotary.head_layout == 'hw'
+    with patch_vlm(model, 'mhrope:head_sections=0|1|1') as handle:
+        assert handle.encoding.head_layout == 'hw'
         out = logits(model, batch)
     assert not torch.equal(out, ref)
     assert torch.equal(logits(model, batch), ref)
@@ -201,16 +202,201 @@ def test_unsupported_models_and_versions_are_refused(monkeypatch):
     with pytest.raises(TypeError, match='interleaves audio positions'):
         patch_vlm(thinker)
     model = model_of('qwen2_vl')
-    with pytest.raises(ValueError, match='scheme must be None'):
+    with pytest.raises(ValueError, match="pe must be None .the model's own. or one multimodal encoding"):
         patch_vlm(model, 'rope3d')
     with pytest.raises(ValueError, match='rule must be one of'):
         patch_vlm(model, rule='6.x')
-    with pytest.raises(ValueError, match="scheme 'videorope' accepts options"):
-        patch_vlm(model, 'videorope', stride=3)
+    with pytest.raises(ValueError, match="unknown option 'stride' for encoding 'videorope'"):
+        patch_vlm(model, 'videorope:stride=3')
     monkeypatch.setattr(sys.modules['transformers'], '__version__', '4.57.1')  # the module transformers left there
     with pytest.raises(ImportError, match=r'patch_vlm supports transformers >= 5.25, < 6; transformers 4.57.1 is '
                                           r'installed: pip install "vispe\[transformers\]"'):
         patch_vlm(model)
+
+
+# ---------------------------------------------------------------------------------------------- one mechanism
+def _eval_logits(batch):
+    def run(model):
+        model.eval()
+        return logits(model, batch)
+    return run
+
+
+@pytest.mark.parametrize('spec', [None, 'mhrope', 'vrope'])
+def test_patched_vlm_deep_copies_into_an_independent_patched_model(spec):
+    from adapter_checks import check_deepcopy
+    family = 'qwen3_vl' if spec is None else 'qwen2_vl'
+    model = tiny_qwen_vl(family, layers=1)
+    batch = qwen_vl_batch(family, INPUTS['mixed_left_padded'])
+    check_deepcopy(model, lambda m: patch_vlm(m, spec), _eval_logits(batch))
+
+
+@pytest.mark.parametrize('spec', ['mhrope', 'v2pe'])
+def test_patched_vlm_pickles_with_torch_save(spec):
+    from adapter_checks import check_pickle
+    model = tiny_qwen_vl('qwen2_5_vl', layers=1)
+    check_pickle(model, lambda m: patch_vlm(m, spec), _eval_logits(qwen_vl_batch('qwen2_5_vl', INPUTS['image'])))
+
+
+def test_vlm_refuses_a_second_patch_on_the_model_or_inside_it():
+    from adapter_checks import check_one_patch_per_tree
+    model = tiny_qwen_vl('qwen2_vl', layers=1)
+    check_one_patch_per_tree(model, model.model, lambda m: patch_vlm(m, 'mhrope'), lambda m: patch_vlm(m, 'vrope'))
+    # the issue's case: the child patched while the parent is, then removed in the wrong order
+    batch = qwen_vl_batch('qwen2_vl', INPUTS['image'])
+    ref = logits(model, batch)
+    outer = patch_vlm(model, 'videorope')
+    with pytest.raises(AlreadyPatchedError, match='already patched'):
+        patch_vlm(model.model, 'mhrope')
+    outer.remove()
+    assert torch.equal(logits(model, batch), ref)
+
+
+class _Forwarding(nn.Module):
+    """PEFT's attribute forwarding: what a module lacks, the module it wraps answers."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__(self.wrapped), name)
+
+    def forward(self, *args, **kwargs):
+        return getattr(self, self.wrapped)(*args, **kwargs)
+
+
+class _LoraModel(_Forwarding):  # peft's LoraModel: the transformers model as .model
+    wrapped = 'model'
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+
+class _PeftModel(_Forwarding):  # peft's PeftModel: the LoraModel as .base_model, the model by get_base_model()
+    wrapped = 'base_model'
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = _LoraModel(model)
+
+    def get_base_model(self):
+        return self.base_model.model
+
+
+def test_patch_vlm_finds_the_model_inside_a_peft_wrapper():
+    model = tiny_qwen_vl('qwen2_vl', layers=1)
+    wrapped = _PeftModel(model)
+    batch = qwen_vl_batch('qwen2_vl', INPUTS['mixed_left_padded'])
+    ref = logits(wrapped, batch)
+    with patch_vlm(wrapped) as handle:
+        assert handle.model is model
+        assert (logits(wrapped, batch) - ref).abs().max() <= 1e-6
+        with pytest.raises(AlreadyPatchedError, match='already patched'):
+            patch_vlm(wrapped, 'vrope')
+    with patch_vlm(wrapped, 'videorope'):
+        assert not torch.equal(logits(wrapped, batch), ref)
+    assert torch.equal(logits(wrapped, batch), ref)
+
+
+def test_patch_vlm_refuses_a_list_with_a_clear_error():
+    model = model_of('qwen2_vl')
+    with pytest.raises(ValueError, match=r"patch_vlm takes one multimodal encoding: None .*, a spec string such as "
+                                         r"'videorope:delta=2' or a dict .*got list \['mrope'\]"):
+        patch_vlm(model, ['mrope'])
+    with pytest.raises(ValueError, match=r"pe must be None .* or one multimodal encoding .*got 'mrope\+vrope'"):
+        patch_vlm(model, 'mrope+vrope')
+    with pytest.raises(ValueError, match=r"pe must be None .* or one multimodal encoding .*got 'rope_axial'"):
+        patch_vlm(model, 'rope_axial')
+
+
+def test_the_old_spelling_works_for_one_release_with_a_deprecation_warning():
+    model = model_of('qwen2_vl')
+    batch = qwen_vl_batch('qwen2_vl', INPUTS['mixed_left_padded'])
+    with patch_vlm(model, 'videorope:delta=3'):
+        want = logits(model, batch)
+    with pytest.warns(DeprecationWarning, match='patch_vlm.model, scheme, .*options. is deprecated'):
+        handle = patch_vlm(model, scheme='videorope', delta=3)
+    with handle:
+        assert handle.encoding.delta == 3 and torch.equal(logits(model, batch), want)
+    with pytest.warns(DeprecationWarning, match="the scheme name 'rope' is deprecated: its encoding is 'rope_1d'"):
+        handle = patch_vlm(model, 'rope')
+    with handle:
+        assert handle.encoding.name == 'rope_1d'
+        with pytest.warns(DeprecationWarning, match='VLMPatch.scheme is deprecated'):
+            assert handle.scheme is handle.encoding
+
+
+# ---------------------------------------------------------------------------------------------- drift guard
+class _Cache:
+    """What compute_3d_position_ids reads of a cache: its length."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def get_seq_length(self, layer_idx=0):
+        return self.length
+
+
+@pytest.mark.parametrize('family', ['qwen2_5_vl', 'qwen3_vl'])
+def test_compute_3d_position_ids_copy_follows_the_installed_transformers(family):
+    """vispe's copy (`VLMPatch.compute_3d_position_ids`, under the model's own encoding) against the installed
+    library's method on every branch: prefill, decoding from rope_deltas with and without a mask, embeddings
+    only, text only, and the refusal of multimodal inputs without mm_token_type_ids."""
+    import inspect
+    model = model_of(family)
+    inner = model.model
+    original = type(inner).compute_3d_position_ids
+    takes = inspect.signature(original).parameters
+    batch = qwen_vl_batch(family, INPUTS['mixed_left_padded'])
+    B, L = batch['input_ids'].shape
+    embeds = torch.randn(B, L, 8)
+    step = torch.randn(B, 1, 8)
+    grids = {k: batch.get(k) for k in ('image_grid_thw', 'video_grid_thw', 'second_per_grid_ts') if k in takes}
+    no_grids = dict.fromkeys(grids)
+    mask_next = torch.cat([batch['attention_mask'], torch.ones(B, 1, dtype=torch.long)], 1)
+    cases = {
+        'prefill': (None, dict(input_ids=batch['input_ids'], inputs_embeds=embeds, cache=None, **grids,
+                               attention_mask=batch['attention_mask'], mm_token_type_ids=batch['mm_token_type_ids'])),
+        'decoding with a mask': ('prefill', dict(input_ids=batch['input_ids'][:, :1], inputs_embeds=step,
+                                                 attention_mask=mask_next, cache=_Cache(L), **grids,
+                                                 mm_token_type_ids=batch['mm_token_type_ids'])),
+        'decoding without a mask': ('prefill', dict(input_ids=batch['input_ids'][:, :1], inputs_embeds=step,
+                                                    attention_mask=None, cache=_Cache(L), **no_grids)),
+        'embeddings only': ('prefill', dict(input_ids=None, inputs_embeds=embeds, attention_mask=None, cache=None,
+                                            **no_grids)),
+        'text only': (None, dict(input_ids=batch['input_ids'], inputs_embeds=embeds, attention_mask=None, cache=None,
+                                 **no_grids)),
+    }
+    copy_name = 'vispe.integrations.transformers_vlm.VLMPatch.compute_3d_position_ids'
+    deltas = {}
+    with patch_vlm(model) as handle:
+        for case, (after, kwargs) in cases.items():
+            results = []
+            for fn in (lambda **kw: original(inner, **kw), handle.compute_3d_position_ids):
+                inner.rope_deltas = deltas.get(after)
+                with torch.no_grad():
+                    results.append((fn(**kwargs), inner.rope_deltas))
+            (theirs, their_delta), (ours, our_delta) = results
+            same = (theirs is None and ours is None) or (
+                theirs is not None and ours is not None and torch.equal(ours, theirs.to(ours.dtype)))
+            assert same and (their_delta is None) == (our_delta is None), \
+                f'{copy_name} differs from transformers\' {type(inner).__name__}.compute_3d_position_ids ({case})'
+            if their_delta is not None:
+                assert torch.equal(our_delta, their_delta.to(our_delta.dtype)), f'{copy_name}: rope_deltas ({case})'
+            deltas[case] = their_delta
+        no_types = dict(cases['prefill'][1], mm_token_type_ids=None)
+        outcomes = []
+        for fn in (lambda **kw: original(inner, **kw), handle.compute_3d_position_ids):
+            inner.rope_deltas = None
+            try:
+                outcomes.append(('returns', fn(**no_types)))
+            except ValueError as e:
+                outcomes.append(('raises', str(e)))
+        assert outcomes[0] == outcomes[1], f'{copy_name} must treat multimodal inputs without mm_token_type_ids as ' \
+                                           f'transformers does: {outcomes[0][0]} there'
+    if family != 'qwen2_5_vl':  # Qwen2.5-VL's leaves them to the language model's default instead
+        assert outcomes[0][0] == 'raises'
 
 
 # ---------------------------------------------------------------------------------------------- docs, benchmark

@@ -1,6 +1,6 @@
-"""The token-id form of mm.position_ids against the installed transformers' own get_rope_index, family by
-family, on random batches (images, timed and untimed videos, left and right padding): ids of real tokens,
-ids of pads and rope_deltas, exactly."""
+"""The transformers adapter's rope_index (a multimodal encoding's ids of Qwen-VL token ids) against the
+installed transformers' own get_rope_index, family by family, on random batches (images, timed and untimed
+videos, left and right padding): ids of real tokens, ids of pads and rope_deltas, exactly."""
 import random
 
 import pytest
@@ -8,7 +8,8 @@ import torch
 
 transformers = pytest.importorskip('transformers')
 
-from vispe import multimodal as mm  # noqa: E402
+import vispe  # noqa: E402
+from vispe.integrations.transformers_vlm import rope_index  # noqa: E402
 from vispe_models.qwen_vl import FAMILIES, TOKENS, qwen_vl_batch, tiny_qwen_vl  # noqa: E402
 
 OWN = {'qwen2_vl': dict(scheme='mrope', tokens_per_second=None, video_blocks='video'),
@@ -45,12 +46,18 @@ def hf_rope_index(family, batch):
         return _MODELS[family].model.get_rope_index(batch['input_ids'], **args)
 
 
+def position_ids(input_ids, scheme='mrope', tokens_per_second=2.0, **kw):
+    """Ids and rope_deltas of token ids under the encoding ``scheme`` (with ``tokens_per_second`` where it
+    takes one), by the transformers adapter's `rope_index`."""
+    pe = vispe.create_pe({'name': scheme, 'tokens_per_second': tokens_per_second}, dim=64, num_heads=4)
+    return rope_index(pe, input_ids, **kw)
+
+
 def vispe_rope_index(family, batch, **kw):
     own = dict(OWN[family])
-    return mm.position_ids(batch['input_ids'], image_grid_thw=batch.get('image_grid_thw'),
-                           video_grid_thw=batch.get('video_grid_thw'),
-                           second_per_grid_ts=batch.get('second_per_grid_ts'),
-                           attention_mask=batch['attention_mask'], spatial_merge_size=2, **IDS, **own, **kw)
+    return position_ids(batch['input_ids'], image_grid_thw=batch.get('image_grid_thw'),
+                        video_grid_thw=batch.get('video_grid_thw'), second_per_grid_ts=batch.get('second_per_grid_ts'),
+                        attention_mask=batch['attention_mask'], spatial_merge_size=2, **IDS, **own, **kw)
 
 
 @pytest.mark.parametrize('family', FAMILIES)
@@ -80,12 +87,12 @@ def test_text_after_a_video_follows_each_rule():
     ids = torch.tensor([[5, 6, 58] + [61] * 64 + [59, 7]])
     grid = torch.tensor([[4, 8, 8]])
     kw = dict(video_grid_thw=grid, spatial_merge_size=2, **IDS, scheme='mrope', video_blocks='video')
-    five, d5 = mm.position_ids(ids, tokens_per_second=None, **kw)
-    four, d4 = mm.position_ids(ids, tokens_per_second=None, rule='4.x', **kw)
+    five, d5 = position_ids(ids, tokens_per_second=None, **kw)
+    four, d4 = position_ids(ids, tokens_per_second=None, rule='4.x', **kw)
     # 5.x: vision_end at start 3 + max(H, W) = 7; 4.x: max over axes (3 + 3 on t, h, w) + 1 = 7 as well
     assert five[0, 0, 67].item() == 7 and four[0, 0, 67].item() == 7
-    timed, dt = mm.position_ids(ids, tokens_per_second=2, second_per_grid_ts=torch.tensor([1.0]), **kw)
-    timed4, _ = mm.position_ids(ids, tokens_per_second=2, second_per_grid_ts=torch.tensor([1.0]), rule='4.x', **kw)
+    timed, dt = position_ids(ids, tokens_per_second=2, second_per_grid_ts=torch.tensor([1.0]), **kw)
+    timed4, _ = position_ids(ids, tokens_per_second=2, second_per_grid_ts=torch.tensor([1.0]), rule='4.x', **kw)
     # timed (2 ids per temporal patch): t reaches 3 + 6 = 9; 5.x still continues at 3 + 4, 4.x at 10
     assert timed[0, 0, 66].item() == 9 and timed[0, 0, 67].item() == 7 and timed4[0, 0, 67].item() == 10
     # 5.x rope_delta: largest id + 1 - real tokens = 10 - 69
@@ -97,8 +104,8 @@ def test_pads_and_deltas_under_each_rule():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
     grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
     kw = dict(image_grid_thw=grid, attention_mask=mask, spatial_merge_size=2, **IDS)
-    five, d5 = mm.position_ids(ids, **kw)
-    four, d4 = mm.position_ids(ids, rule='4.x', **kw)
+    five, d5 = position_ids(ids, **kw)
+    four, d4 = position_ids(ids, rule='4.x', **kw)
     assert five[:, 0, :2].eq(0).all() and four[:, 0, :2].eq(1).all()
     # next position: 2 text + 2 image extent + 1 text = 5 (row 0) and 7 (row 1)
     assert d5.tolist() == [[5 - 7], [7 - 9]] and d4.tolist() == [[5 - 9], [7 - 9]]

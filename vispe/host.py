@@ -425,8 +425,10 @@ def install_pe(model: nn.Module, pe: PESpec, *, label: str, loaded_grid: Optiona
         raise ValueError(f'{label}: pe={pe!r} cannot apply to this model: {e}') from e
     caps = enc.capabilities
     if caps.requires:
+        where = ('a multimodal sequence: language-model code, with vispe.sequence' if 'segments' in caps.requires
+                 else 'a camera-aware host')
         raise ValueError(f'{label}: pe={pe!r} needs {sorted(caps.requires)} in its positions, which an image '
-                         'ViT does not supply (use a camera-aware host)')
+                         f'ViT does not supply (use {where})')
     if any(is_differential(a) for b in model.blocks for a in attentions(b)):
         _check_differential(enc, pe, label)
     drop_rate = getattr(model.patch_drop, 'prob', 0.0) if model.patch_drop is not None else 0.0

@@ -1,9 +1,9 @@
-"""Fine-tune a transformers Qwen-VL-family model with any `vispe.multimodal` scheme, through `patch_vlm`.
+"""Fine-tune a transformers Qwen-VL-family model with any multimodal encoding of vispe, through `patch_vlm`.
 
 The model is a tiny randomly initialised ``Qwen2VL`` / ``Qwen2_5_VL`` / ``Qwen3VL`` / ``Qwen3VLMoe``
 ``ForConditionalGeneration`` built from a config (`vispe_models.qwen_vl.tiny_qwen_vl`, no download),
-its multimodal RoPE swapped by ``vispe.integrations.patch_vlm(model, model.scheme,
-**model.scheme_options)`` (``scheme: null`` keeps the model's own, computed by vispe). The data is
+its multimodal RoPE swapped by ``vispe.integrations.patch_vlm(model, {'name': model.scheme,
+**model.scheme_options})`` (``scheme: null`` keeps the model's own, computed by vispe). The data is
 `vispe_models.qwen_vl.CellColours`: an image of ``grid x grid`` coloured cells, then "row r, column c";
 the answer is that cell's colour token, read from the logits at the last position. The metric is answer
 accuracy (%).
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from vispe import multimodal as mm
+import vispe
 from vispe.integrations import patch_vlm
 from vispe_models.qwen_vl import CellColours, collate_cell_colours, tiny_qwen_vl
 
@@ -32,8 +32,8 @@ __all__ = ['QwenVLTask', 'ModelConfig', 'DataConfig']
 class ModelConfig:
     """``model:`` section: the tiny Qwen-VL model and the scheme patched into it."""
     family: Literal['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe'] = option('qwen2_vl', 'transformers family')
-    scheme: Optional[str] = option(None, "a vispe.multimodal scheme (null: the model's own)")
-    scheme_options: Dict[str, Any] = option(factory=dict, help='options of the scheme (and sections / head_sections)')
+    scheme: Optional[str] = option(None, "a multimodal encoding of vispe (null: the model's own)")
+    scheme_options: Dict[str, Any] = option(factory=dict, help='options of the encoding (sections, head_sections, ...)')
     hidden: int = option(96, 'language model width', min=8)
     heads: int = option(6, 'attention heads', min=1)
     kv_heads: int = option(3, 'key/value heads', min=1)
@@ -70,8 +70,9 @@ class QwenVLTask(Task):
     @classmethod
     def check_config(cls, cfg: Config) -> None:
         m = cfg.model
-        if m.scheme is not None and m.scheme not in mm.SCHEMES:
-            raise ConfigError(f'model.scheme: must be null or one of {tuple(mm.SCHEMES)}, got {m.scheme!r}')
+        names = tuple(n for n in vispe.list_pes() if vispe.pe_info(n)['family'] == 'multimodal')
+        if m.scheme is not None and m.scheme not in names:
+            raise ConfigError(f'model.scheme: must be null or one of {names}, got {m.scheme!r}')
         if m.hidden % m.heads or (m.hidden // m.heads) % 2 or m.heads % m.kv_heads:
             raise ConfigError(f'model: hidden ({m.hidden}) / heads ({m.heads}) must be an even head width and '
                               f'heads a multiple of kv_heads ({m.kv_heads})')
@@ -81,7 +82,10 @@ class QwenVLTask(Task):
         model = tiny_qwen_vl(spec['family'], hidden=spec['hidden'], heads=spec['heads'],
                              kv_heads=spec['kv_heads'], layers=spec['layers'], seed=self.cfg.seed)
         try:
-            self.handle = patch_vlm(model, spec['scheme'], **dict(spec['scheme_options']))
+            pe = None if spec['scheme'] is None else {'name': spec['scheme'], **dict(spec['scheme_options'])}
+            if pe is None and spec['scheme_options']:
+                raise ValueError(f"options {sorted(spec['scheme_options'])} need a scheme (null is the model's own)")
+            self.handle = patch_vlm(model, pe)
         except ValueError as e:
             raise ConfigError(f'model.scheme_options: {e}') from None
         return model
@@ -97,7 +101,7 @@ class QwenVLTask(Task):
     def model_spec(self, model: nn.Module) -> Dict[str, Any]:
         spec = self._spec()
         # the name doubles as the run label in sweeps
-        return dict(name=f'{spec["family"]} / {self.handle.scheme.name}', kwargs=spec)
+        return dict(name=f'{spec["family"]} / {self.handle.encoding.name}', kwargs=spec)
 
     def rebuild_model(self, spec: Dict[str, Any]) -> nn.Module:
         return self._create(dict(spec['kwargs']))

@@ -2,8 +2,8 @@
 
 The model is `models.vlm.VLM` (``timm.create_model('vit_tiny', pe=model.vision_pe)`` with small
 dims, an MLP projector with 2x2 merge or a resampler whose keys carry ``model.resampler_pe``, and a
-decoder LM whose position ids follow ``model.scheme``: ``rope``, ``mrope``, ``mrope_interleave``,
-``mhrope``, ``vrope``, ``v2pe``, ``videorope``, ``hope``, ``circlerope``). The data is
+decoder LM whose position ids follow ``model.scheme``, a multimodal encoding: ``rope_1d``, ``mrope``,
+``mrope_interleave``, ``mhrope``, ``vrope``, ``v2pe``, ``videorope``, ``hope``, ``circlerope``). The data is
 `models.vlm.ColourGridDataset`: an image of ``G x G`` coloured cells and the question "which colour is at row r, column c?"
 (answered with one colour token at the last position), generated on the fly from ``(seed,
 split, index)``. The metric is answer accuracy (%); the resolution sweep redraws the same
@@ -21,14 +21,13 @@ from torch.utils.data import Dataset
 
 import vispe
 from vispe_models.vlm import VLM, ColourGridDataset, ColourGridTask
-from vispe import multimodal as mm
 
 from ..schema import Config, ConfigError, constructor_kwargs, constructor_section, option
 from .base import Task, register_task
 
 __all__ = ['VLMTask', 'ModelConfig', 'DataConfig']
 
-Scheme = Literal['rope', 'mrope', 'mrope_interleave', 'mhrope', 'vrope', 'v2pe', 'videorope', 'hope', 'circlerope']
+Scheme = Literal['rope_1d', 'mrope', 'mrope_interleave', 'mhrope', 'vrope', 'v2pe', 'videorope', 'hope', 'circlerope']
 
 # the vocabulary (and its special tokens) is the questions', the image size the data's
 ModelConfig = constructor_section(
@@ -72,7 +71,7 @@ class VLMTask(Task):
     def check_config(cls, cfg: Config) -> None:
         m, d = cfg.model, cfg.data
         try:
-            mm.get_scheme(m.scheme, **(m.scheme_options or {}))
+            vispe.parse_pe_spec({'name': m.scheme, **(m.scheme_options or {})}, typed=True)
         except ValueError as e:
             raise ConfigError(f'model.scheme_options: {e}') from None
         if d.img_size % d.grid:

@@ -92,6 +92,8 @@ class DetrSine(AdditivePE):
         self.normalize = normalize
         self.scale = check_positive(self.name, 'scale', scale)
         self.eps = check_positive(self.name, 'eps', eps)
+        if not math.isfinite(offset):
+            raise ValueError(f"option 'offset' of encoding {self.name!r} must be a finite number, got {offset!r}")
         self.offset = float(offset)
 
     def features(self, p: torch.Tensor) -> torch.Tensor:

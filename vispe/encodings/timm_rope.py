@@ -40,6 +40,7 @@ from ..rotary import RotationPE, rotation_table
 from ..rotary.frequencies import mixed_axis_angles
 from ..rotary.kernels import pad_identity
 from ._checks import check_positive
+from .mrope import interleaved_mrope_axes
 from ..contract import PEContext
 
 __all__ = ['TimmRope']
@@ -208,9 +209,7 @@ class TimmRope(RotationPE):
                 periods = self.temperature ** (2.0 * torch.arange(n, dtype=torch.float32) / (hd // 2))
             return (2 * math.pi * t.unsqueeze(-1) / periods.to(device)).flatten(-2)
         if self.rope_type == 'mrope':
-            axis = torch.zeros(hd // 2, dtype=torch.long, device=device)
-            axis[1:self.mrope_section[1] * 3:3] = 1
-            axis[2:self.mrope_section[2] * 3:3] = 2
+            axis = interleaved_mrope_axes(hd // 2, self.mrope_section, device=device)
             full = torch.cat([torch.zeros_like(t[..., :1]), t], -1).index_select(-1, axis)
             return full * freq_bands(hd, temperature=self.temperature, step=2, device=device)
         # mixed: (2, L, H, P) frequencies against (..., N) coordinates -> (L, ..., H, N, P)
