@@ -1,6 +1,5 @@
 """`vispe.checks`: each property check passes what has the property and fails what lacks it, with the number
 it measured; vispe's multimodal ids and rotary encodings checked with them."""
-import inspect
 import math
 
 import pytest
@@ -9,7 +8,7 @@ import torch.nn.functional as F
 
 import vispe
 from vispe import checks
-from vispe import multimodal as mm
+from vispe.encodings.mrope import MRoPE
 
 
 def _rope_logits(coords, layout='half'):
@@ -121,20 +120,23 @@ def test_results_refuse_unknown_checks_and_statuses():
 
 
 # ---------------------------------------------------------------------------------------------- vispe's ids
-SCHEMES_ON_THE_GRID = [name for name, cls in mm.SCHEMES.items() if issubclass(cls, mm.MRoPE)]  # (t, h, w) on the grid
+MULTIMODAL = [n for n in vispe.list_pes() if vispe.pe_info(n)['family'] == 'multimodal']
+SCHEMES_ON_THE_GRID = [n for n in MULTIMODAL if issubclass(vispe.pe_info(n)['cls'], MRoPE)]  # (t, h, w) on the grid
 
 
 def _layout_ids(scheme, tokens_per_second=None):
     """Ids of text, a still image, text and a timed video of four frames half a second apart."""
-    timed = 'tokens_per_second' in inspect.signature(mm.SCHEMES[scheme].__init__).parameters
+    timed = 'tokens_per_second' in vispe.pe_info(scheme)['options']
     opts = dict(tokens_per_second=tokens_per_second) if tokens_per_second is not None and timed else {}
-    layout = [mm.Text(3), mm.Image(grid=(1, 4, 4), merge=2), mm.Text(2), mm.Video(grid=(4, 4, 6), fps=4.0, merge=2),
-              mm.Text(2)]
-    ids, _ = mm.position_ids(layout, scheme=mm.get_scheme(scheme, **opts))
+    heads = dict(num_heads=3) if scheme == 'mhrope' else {}
+    encoding = vispe.create_pe(scheme, dim=48 * max(1, heads.get('num_heads', 1)), **heads, **opts)
+    layout = [vispe.Text(3), vispe.Image(grid=(1, 4, 4), merge=2), vispe.Text(2),
+              vispe.Video(grid=(4, 4, 6), fps=4.0, merge=2), vispe.Text(2)]
+    ids, _ = encoding.position_ids(vispe.sequence(layout))
     return ids
 
 
-@pytest.mark.parametrize('scheme', sorted(mm.SCHEMES))
+@pytest.mark.parametrize('scheme', MULTIMODAL)
 def test_every_scheme_gives_every_token_an_id_and_distinct_ids_per_block(scheme):
     ids = _layout_ids(scheme)
     image = list(range(3, 7))

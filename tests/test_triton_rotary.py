@@ -21,7 +21,7 @@ import torch
 triton = pytest.importorskip('triton')
 
 import vispe  # noqa: E402
-from vispe import multimodal as mm  # noqa: E402
+from vispe.encodings.multimodal import apply_rotary as multimodal_rotary  # noqa: E402
 from vispe.attention import pe_attention  # noqa: E402
 from vispe.cameras import Cameras  # noqa: E402
 from vispe.rotary import apply_rotation, autograd, fused as triton_kernels, rotate_qk, rotation_table  # noqa: E402
@@ -326,7 +326,7 @@ def attention_trains_identically(spec, launches):
 
 @pytest.mark.parametrize('unsqueeze_dim', [1, 2])
 def test_multimodal_apply_rotary_trains_identically_with_fused_kernels(run, unsqueeze_dim):
-    """`vispe.multimodal.apply_rotary` (rotate-half tables) in the LLM layout ``(B, H, N, hd)``
+    """`vispe.encodings.multimodal.apply_rotary` (rotate-half tables) in the LLM layout ``(B, H, N, hd)``
     (``unsqueeze_dim=1``) and the tokens-first one ``(B, N, H, hd)`` (``unsqueeze_dim=2``, which the
     kernels take as swapped views, their output in the inputs' layout): M-RoPE's per-sample tables of
     two image-and-text sequences, partial rotary (48 of 64 channels), and MHRoPE's head-wise tables."""
@@ -334,17 +334,18 @@ def test_multimodal_apply_rotary_trains_identically_with_fused_kernels(run, unsq
 
 
 def multimodal_apply_rotary(unsqueeze_dim):
-    layouts = [[mm.Text(3), mm.Image(grid=(1, 4, 6)), mm.Text(2)], [mm.Text(5), mm.Image(grid=(1, 4, 4)), mm.Text(2)]]
+    layouts = [[vispe.Text(3), vispe.Image(grid=(1, 4, 6)), vispe.Text(2)],
+               [vispe.Text(5), vispe.Image(grid=(1, 4, 4)), vispe.Text(2)]]
     for scheme, rotary_dim in (('mrope', 48), ('mhrope', 64)):
-        ids, _ = mm.position_ids(layouts, scheme=scheme)
-        rotary = mm.MultimodalRotary(64, scheme=scheme, rotary_dim=rotary_dim, num_heads=4).to(DEVICE)
-        cos, sin = rotary(ids.to(DEVICE))
+        encoding = vispe.create_pe(scheme, dim=256, num_heads=4, rotary_dim=rotary_dim).to(DEVICE)
+        ids, _ = encoding.position_ids(vispe.sequence(layouts))
+        cos, sin = encoding.cos_sin(ids.to(DEVICE))
         qkv, q, k = fused_qkv(H=4, N=ids.shape[-1], hd=64)
         if unsqueeze_dim == 2:  # q and k as (B, N, H, hd) views of the projection
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-        compare(lambda: mm.apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim), [qkv])
+        compare(lambda: multimodal_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim), [qkv])
         with fused('on'):
-            out_q, out_k = mm.apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+            out_q, out_k = multimodal_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         assert out_q.shape == q.shape and out_q.transpose(1, 2).is_contiguous() == (unsqueeze_dim == 1)
 
 
