@@ -11,10 +11,11 @@ and ``import vispe`` paid once):
   gradients of the encoding's parameters.
 
 Encodings that need cameras (no image ViT hosts them) are sharded as their own unit and checked on
-their tensors.
+their tensors. Each worker leaves without interpreter shutdown (``gloo_shutdown.leave`` says why).
 """
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import TINY
+from gloo_shutdown import leave, watch_shutdown
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason='torch built without torch.distributed')
 
@@ -115,6 +117,7 @@ def _check(pe: str, mesh) -> dict:
 
 
 def _worker(rank: int, port: int, names, out_path: str) -> None:
+    watch_shutdown(Path(out_path).with_name(f'shutdown{rank}.txt'))
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group('gloo', rank=rank, world_size=WORLD)
@@ -129,8 +132,10 @@ def _worker(rank: int, port: int, names, out_path: str) -> None:
                 rows[pe] = dict(error=f'{type(e).__name__}: {e}'[:800])
         if rank == 0:
             torch.save(rows, out_path)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave()
 
 
 def _free_port() -> int:
@@ -140,16 +145,26 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope='module')
-def fsdp_rows(tmp_path_factory):
+def fsdp_job(tmp_path_factory):
     import vispe
     names = vispe.list_pes()
-    out = str(tmp_path_factory.mktemp('fsdp') / 'rows.pt')
-    mp.spawn(_worker, args=(_free_port(), names, out), nprocs=WORLD, join=True)
-    return torch.load(out, weights_only=False)
+    out = tmp_path_factory.mktemp('fsdp') / 'rows.pt'
+    mp.spawn(_worker, args=(_free_port(), names, str(out)), nprocs=WORLD, join=True)
+    alive = {f.name: f.read_text().split() for f in out.parent.glob('shutdown*.txt')}
+    return torch.load(out, weights_only=False), alive
 
 
-def test_every_encoding_initialises_sharded_and_loads_a_full_state_dict(fsdp_rows):
+@pytest.mark.skipif(not Path('/proc/self/task').is_dir(), reason='reads thread names from /proc (Linux)')
+def test_workers_never_shut_the_interpreter_down_with_gloo_threads_alive(fsdp_job):
+    """The state in which a worker aborts now and then at exit (SIGABRT, "terminate called without an
+    active exception"): gloo's threads outlive destroy_process_group (tests/gloo_shutdown.py)."""
+    _, alive = fsdp_job
+    assert not any(alive.values()), f'interpreter shutdown with gloo threads alive: {alive}'
+
+
+def test_every_encoding_initialises_sharded_and_loads_a_full_state_dict(fsdp_job):
     import vispe
+    fsdp_rows, _ = fsdp_job
     assert sorted(fsdp_rows) == sorted(vispe.list_pes())
     errors = {pe: r['error'] for pe, r in fsdp_rows.items() if 'error' in r}
     assert not errors, errors
