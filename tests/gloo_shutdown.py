@@ -10,8 +10,9 @@ that asks for the GIL, here from inside a C++ destructor, and the process aborts
 a test only sees it now and then. A process that used gloo therefore destroys its group and
 leaves without interpreter shutdown (``leave``).
 
-``python gloo_shutdown.py REPORT_DIR SCRIPT [ARGS]`` runs SCRIPT as ``__main__`` and, should the
-interpreter shut down, writes the gloo threads alive at that point to ``REPORT_DIR/rank<RANK>.txt``.
+``python gloo_shutdown.py REPORT_DIR SCRIPT [ARGS]`` (or ``REPORT_DIR -m MODULE [ARGS]``) runs SCRIPT
+(MODULE) as ``__main__`` and, should the interpreter shut down, writes the gloo threads alive at that
+point to ``REPORT_DIR/rank<RANK>.txt``.
 """
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ def leave(code: int = 0) -> NoReturn:
 if __name__ == '__main__':
     out = Path(sys.argv[1])
     watch_shutdown(out / f'rank{os.environ.get("RANK", "0")}.txt')
-    sys.argv = sys.argv[2:]
-    sys.path[0] = str(Path(sys.argv[0]).resolve().parent)
-    runpy.run_path(sys.argv[0], run_name='__main__')
+    if sys.argv[2] == '-m':
+        sys.argv = sys.argv[3:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
+    else:
+        sys.argv = sys.argv[2:]
+        sys.path[0] = str(Path(sys.argv[0]).resolve().parent)
+        runpy.run_path(sys.argv[0], run_name='__main__')

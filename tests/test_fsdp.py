@@ -5,10 +5,11 @@ block then the root, ``to_empty``, ``init_weights``. Per encoding, in one spawne
 and ``import vispe`` paid once):
 
 * ``reset_parameters`` on the sharded (DTensor) encoding gives, gathered, exactly the tensors a CPU
-  construction gives from the same random state, and ``init_weights`` the same spread as a CPU build;
+  construction (and a CPU encoding's ``reset_parameters``) gives from the same random state, and
+  ``init_weights`` the same spread as a CPU build (not its values: docs/scale-out.md says why);
 * a full state dict of a CPU model loaded into the sharded model (``set_model_state_dict``,
-  ``full_state_dict=True, broadcast_from_rank0=True``) gives the CPU model's outputs, forward and
-  gradients of the encoding's parameters.
+  ``full_state_dict=True, broadcast_from_rank0=True``) gives the CPU model's weights bit for bit, its
+  outputs, forward and gradients of the encoding's parameters.
 
 Encodings that need cameras (no image ViT hosts them) are sharded as their own unit and checked on
 their tensors. Each worker leaves without interpreter shutdown (``gloo_shutdown.leave`` says why).
@@ -72,7 +73,7 @@ def _check(pe: str, mesh) -> dict:
     enc = model if cameras else model.pe
     sharded = [n for n, p in enc.named_parameters() if hasattr(p, 'full_tensor')]
 
-    # init_weights / reset_parameters on DTensors: a construction's values, scattered
+    # init_weights on DTensors: finite, and drawn with the construction's spread
     torch.manual_seed(1)
     (model.reset_parameters if cameras else model.init_weights)()
     spread = []
@@ -81,18 +82,25 @@ def _check(pe: str, mesh) -> dict:
         assert torch.isfinite(got).all() if got.is_floating_point() else True, (pe, name)
         if got.is_floating_point() and got.numel() > 1 and float(t.std()) > 0:
             spread.append(float(got.std()) / float(t.std()))
+    # reset_parameters() alone: what a one-process construction, and its reset_parameters(), give
     torch.manual_seed(2)
     enc.reset_parameters()
+    got = {n: _full(t) for n, t in _tensors(enc).items()}
     torch.manual_seed(2)
-    fresh = _tensors(vispe.create_pe(pe, enc.ctx))
-    init_diff = max((float((_full(t).double() - fresh[n].double()).abs().max()) for n, t in _tensors(enc).items()
-                     if t.is_floating_point() and t.numel()), default=0.0)
-    assert all(torch.equal(_full(t), fresh[n]) for n, t in _tensors(enc).items()), pe
+    one = vispe.create_pe(pe, enc.ctx)
+    built = {n: t.clone() for n, t in _tensors(one).items()}
+    torch.manual_seed(2)
+    one.reset_parameters()
+    init_diff = max((float((t.double() - want[n].double()).abs().max()) for want in (built, _tensors(one))
+                     for n, t in got.items() if t.is_floating_point() and t.numel()), default=0.0)
+    assert all(torch.equal(t, want[n]) for want in (built, _tensors(one)) for n, t in got.items()), pe
 
     # a full state dict from rank 0 into the sharded model: the CPU model's outputs and gradients
     full = ref.state_dict() if dist.get_rank() == 0 else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     enc.init_non_persistent_buffers()
+    want = ref.state_dict()
+    state_exact = [torch.equal(_full(t), want[n]) for n, t in model.state_dict().items()]  # every rank gathers
     model.eval()
     if cameras:
         loaded = max((float((_full(t).double() - _tensors(ref)[n].double()).abs().max())
@@ -113,7 +121,7 @@ def _check(pe: str, mesh) -> dict:
             for _ in range(2):
                 loaded = max(loaded, float((model(x) - ref(x)).abs().max()))
     return dict(sharded=len(sharded), spread=(min(spread), max(spread)) if spread else None, init_diff=init_diff,
-                loaded=loaded, grad=grad_diff)
+                loaded=loaded, grad=grad_diff, state_exact=all(state_exact))
 
 
 def _worker(rank: int, port: int, names, out_path: str) -> None:
@@ -172,6 +180,7 @@ def test_every_encoding_initialises_sharded_and_loads_a_full_state_dict(fsdp_job
         assert r['init_diff'] == 0.0, pe  # exactly a construction's values, whatever the sharding
         if r['spread'] is not None:  # init_weights draws from the construction's distribution
             assert 0.5 < r['spread'][0] and r['spread'][1] < 2.0, (pe, r['spread'])
+        assert r['state_exact'], pe  # the loaded weights are the full model's, bit for bit
         assert r['loaded'] <= 1e-5 and r['grad'] <= 1e-5, (pe, r)
     # the test shards something: every encoding with parameters has DTensor parameters
     assert sum(r['sharded'] for r in fsdp_rows.values()) > 0
