@@ -95,7 +95,7 @@ def _check(pe: str, mesh) -> dict:
                      for n, t in got.items() if t.is_floating_point() and t.numel()), default=0.0)
     assert all(torch.equal(t, want[n]) for want in (built, _tensors(one)) for n, t in got.items()), pe
 
-    # a full state dict from rank 0 into the sharded model: the CPU model's outputs and gradients
+    # a full state dict from rank 0 into the sharded model: the CPU model's weights, outputs and gradients
     full = ref.state_dict() if dist.get_rank() == 0 else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     enc.init_non_persistent_buffers()
