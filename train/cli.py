@@ -21,7 +21,7 @@ import yaml
 
 from .benchmark import is_benchmark_config, main as benchmark_main
 from .config import ConfigError, expand_sweep, load_config, to_dict
-from .distributed import barrier, init_distributed, shutdown_distributed
+from .distributed import barrier, init_distributed, leave_process, shutdown_distributed
 from .engine import RunResult, Trainer, check_run_dir
 from .extrapolate import evaluate_checkpoints, extrapolation_table, write_reports
 from .logs import format_table, setup_logging
@@ -103,5 +103,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run(args.config, args.overrides)
     except ConfigError as e:
         sys.stderr.write(f'config error: {e}\n')
-        return 2
-    return 0
+        return leave_process(2)
+    return leave_process(0)  # under torchrun: without interpreter shutdown (see leave_process)

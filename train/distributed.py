@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
@@ -17,9 +18,9 @@ import torch.distributed as dist
 
 from .config import ConfigError
 
-__all__ = ['DistEnv', 'init_distributed', 'shutdown_distributed', 'all_reduce_sum', 'all_gather_objects',
-           'barrier', 'broadcast_object', 'fully_shard_model', 'full_model_state', 'load_full_model_state',
-           'full_optimizer_state', 'load_full_optimizer_state']
+__all__ = ['DistEnv', 'init_distributed', 'shutdown_distributed', 'leave_process', 'all_reduce_sum',
+           'all_gather_objects', 'barrier', 'broadcast_object', 'fully_shard_model', 'full_model_state',
+           'load_full_model_state', 'full_optimizer_state', 'load_full_optimizer_state']
 
 _logger = logging.getLogger(__name__)
 
@@ -79,6 +80,25 @@ def init_distributed(device: str = 'auto', key: str = 'train.device') -> DistEnv
 def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_process(code: int) -> int:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1): destroy the process group and end the process with
+    ``code`` without interpreter shutdown; otherwise return ``code``.
+
+    torch keeps gloo's threads alive after ``destroy_process_group()`` while its DTensor caches hold
+    the group (through the device mesh, after FSDP2). A gloo thread that frees a finished collective
+    holding the last reference to a tensor made in Python needs the GIL; asked for during interpreter
+    shutdown, CPython ends the thread inside that C++ destructor and the process aborts now and then
+    ("terminate called without an active exception", SIGABRT). Everything is written and closed by then.
+    """
+    if int(os.environ.get('WORLD_SIZE', '1')) <= 1:
+        return code
+    shutdown_distributed()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _active() -> bool:
