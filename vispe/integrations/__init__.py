@@ -10,13 +10,17 @@ A patched model deep-copies and pickles. ``pe=None`` is the model's own encoding
   Qwen2.5-VL and Qwen3-VL (and Qwen3-VL-MoE) models.
 * `patch_detr` (`vispe.integrations.transformers_detr`): any encoding in transformers' DETR, Conditional
   DETR, Deformable DETR and RT-DETR (v1, v2) models, each padded image at its own grid's positions.
+* `patch_dit` (`vispe.integrations.diffusers`): diffusers' FLUX, SD3, QwenImage and Wan transformers:
+  their own encoding computed by vispe (with training-free frequency scaling for larger grids and longer
+  videos) or any vispe rotary / additive encoding.
 * `use_pe` (`vispe.integrations.open_clip`): any encoding in an open_clip CLIP model's timm image tower.
 """
 from .base import AlreadyPatchedError, ModelPatch, UnsupportedModelError, find_patch
+from .diffusers import DiTPatch, patch_dit
 from .open_clip import OpenClipPE, use_pe
 from .transformers_detr import DetrPatch, patch_detr
 from .transformers_vlm import SUPPORTED_MODEL_TYPES, SUPPORTED_TRANSFORMERS, VLMPatch, patch_vlm
 
 __all__ = ['ModelPatch', 'AlreadyPatchedError', 'UnsupportedModelError', 'find_patch',
-           'patch_vlm', 'VLMPatch', 'patch_detr', 'DetrPatch', 'use_pe', 'OpenClipPE',
+           'patch_vlm', 'VLMPatch', 'patch_detr', 'DetrPatch', 'patch_dit', 'DiTPatch', 'use_pe', 'OpenClipPE',
            'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS']

@@ -1,0 +1,228 @@
+"""`patch_dit` on tiny diffusers transformers: the host's own encoding computed by vispe equals the unpatched
+transformer (native, 2x and 4x grids, 2x frames), where the host stops (SD3's table, Wan's table length,
+QwenImage's text table) the formula continues, the layouts the hosts leave to users, any vispe encoding,
+and what every adapter promises (copies, pickles, one patch per tree, clear errors, nothing half-patched)."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip('diffusers')
+
+from vispe.integrations import AlreadyPatchedError, UnsupportedModelError, patch_dit  # noqa: E402
+from vispe.integrations.base import refuse_patched  # noqa: E402
+from vispe.integrations.diffusers import kontext_ids  # noqa: E402
+
+from adapter_checks import check_deepcopy, check_pickle  # noqa: E402
+from dit_hosts import HOSTS, NATIVE, build, flux_ids, forward, inputs, runner, scaled  # noqa: E402
+
+GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2)]  # (spatial factor, frame factor): native, 2x, 4x, 2x frames
+
+
+def _cases():
+    for kind in HOSTS:
+        for factor, frames in GRIDS:
+            if frames > 1 and len(NATIVE[kind]) != 3:
+                continue
+            yield kind, factor, frames
+
+
+@pytest.mark.parametrize('kind, factor, frames', list(_cases()))
+def test_own_encoding_equals_the_unpatched_transformer(kind, factor, frames):
+    model = build(kind)
+    grid = scaled(kind, factor, frames)
+    run = runner(kind, grid)
+    want = run(model)
+    handle = patch_dit(model)
+    got = run(model)
+    handle.remove()
+    assert (got - want).abs().max() <= 1e-6
+    torch.testing.assert_close(run(model), want, rtol=0, atol=0)  # removed: the unpatched transformer
+
+
+@pytest.mark.parametrize('kind', ['flux', 'qwenimage'])
+def test_text_positions_follow_the_host(kind):
+    """FLUX: text ids of the caller's choosing; QwenImage: text after the image, for several lengths."""
+    model = build(kind)
+    for text in (1, 7):
+        extra = {'txt_ids': torch.arange(3 * text, dtype=torch.float32).reshape(text, 3)} if kind == 'flux' else {}
+        run = runner(kind, scaled(kind, 2), text=text, **extra)
+        want = run(model)
+        with patch_dit(model):
+            assert (run(model) - want).abs().max() <= 1e-6
+
+
+def test_flux_kontext_index_layout_is_the_pipelines_ids():
+    from diffusers import FluxKontextPipeline
+    latent = FluxKontextPipeline._prepare_latent_image_ids(1, 3, 4, 'cpu', torch.float32)
+    reference = FluxKontextPipeline._prepare_latent_image_ids(1, 2, 5, 'cpu', torch.float32)
+    reference[..., 0] = 1
+    want = torch.cat([latent, reference])
+    for layout in ('index', 'offset'):  # one reference: both layouts are the pipeline's
+        torch.testing.assert_close(kontext_ids((3, 4), [(2, 5)], layout), want, rtol=0, atol=0)
+
+
+def test_flux_kontext_layouts_of_several_references():
+    ids = kontext_ids((2, 2), [(2, 3), (1, 2)], 'offset')
+    second = ids[4 + 6:]
+    assert second[:, 0].tolist() == [1, 1] and second[:, 2].tolist() == [3, 4]  # after the first one's 3 columns
+    ids = kontext_ids((2, 2), [(2, 3), (1, 2)], 'index')
+    assert ids[4 + 6:, 0].tolist() == [2, 2] and ids[4 + 6:, 2].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize('layout', ['index', 'offset'])
+def test_flux_reference_layout_relays_the_reference_tokens(layout):
+    """The patched transformer given references in the index layout equals the unpatched one given ``layout``."""
+    model = build('flux')
+    refs = [(2, 3), (1, 2)]
+    n = 16 + 6 + 2
+    given = inputs('flux', (4, 4), hidden_states=torch.randn(1, n, 4, generator=torch.Generator().manual_seed(3)),
+                   img_ids=kontext_ids((4, 4), refs, 'index'))
+    laid = dict(given, img_ids=kontext_ids((4, 4), refs, layout))
+    with torch.no_grad():
+        want = forward(model, laid)
+        with patch_dit(model, reference_layout=layout):
+            got = forward(model, given)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_sd3_grid_beyond_its_table_continues_the_formula():
+    """The host refuses a grid past pos_embed_max_size; the patch continues the table, whose central
+    rows and columns are the host's stored table."""
+    model = build('sd3')
+    max_size = model.pos_embed.pos_embed_max_size
+    run = runner('sd3', (max_size + 2, max_size + 2))
+    with pytest.raises(ValueError, match='cannot be greater than `pos_embed_max_size`'):
+        run(model)
+    with patch_dit(model) as handle:
+        assert run(model).isfinite().all()
+        table = handle.rope(max_size + 2, max_size + 2, torch.device('cpu')).reshape(max_size + 2, max_size + 2, -1)
+    stored = model.pos_embed.pos_embed.reshape(max_size, max_size, -1)
+    torch.testing.assert_close(table[1:-1, 1:-1], stored, rtol=0, atol=0)
+
+
+def test_wan_runs_past_its_table_and_keeps_tables_float32():
+    model = build('wan')  # rope_max_seq_len = 32
+    run = runner('wan', (2, 36, 2))
+    with pytest.raises(RuntimeError):
+        run(model)
+    with patch_dit(model) as handle:
+        assert run(model).shape[-2] == 72
+        model.to(torch.bfloat16)
+        cos, sin = model.rope(torch.zeros(1, 4, 2, 8, 8, dtype=torch.bfloat16))
+        assert cos.dtype == sin.dtype == torch.float32
+        assert handle.rope is model.rope
+    # the host's own tables follow .to() although rope is in _keep_in_fp32_modules
+    assert build('wan').to(torch.bfloat16).rope.freqs_cos.dtype == torch.bfloat16
+
+
+def test_qwenimage_long_text_continues_past_the_table():
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+    own = QwenEmbedRope(10000, [4, 6, 6], scale_rope=True)
+    text = 4100
+    img, txt = own([(1, 4, 4)], device=torch.device('cpu'), max_txt_seq_len=text)
+    assert txt.shape[0] < text  # the host's slice of its 4,096 rows: fewer positions than text tokens
+    model = build('qwenimage')
+    model.pos_embed = own
+    with patch_dit(model) as handle:
+        img2, txt2 = model.pos_embed([(1, 4, 4)], device=torch.device('cpu'), max_txt_seq_len=text)
+        assert txt2.shape[0] == text
+        torch.testing.assert_close(img2, img, rtol=0, atol=0)
+        torch.testing.assert_close(txt2[:txt.shape[0]], txt, rtol=0, atol=0)
+        k2, k3 = torch.arange(2.0), torch.arange(3.0)  # the last row by hand: position 2 + 4099 on every axis
+        angles = (2 + text - 1) * torch.cat([1 / 10000 ** (2 * k2 / 4), 1 / 10000 ** (2 * k3 / 6),
+                                             1 / 10000 ** (2 * k3 / 6)])
+        torch.testing.assert_close(txt2[-1], torch.polar(torch.ones_like(angles), angles), rtol=0, atol=2e-6)
+        assert handle.rope.text_layout == 'continue'
+    with patch_dit(model, text_layout='table'):
+        with pytest.raises(ValueError, match="past QwenImage's 4096-row table"):
+            model.pos_embed([(1, 4, 4)], device=torch.device('cpu'), max_txt_seq_len=text)
+
+
+ENCODINGS = {'flux': 'rope_mixed', 'sd3': 'learned', 'qwenimage': 'liere', 'wan': 'rope_mixed'}
+
+
+@pytest.mark.parametrize('kind', HOSTS)
+def test_patched_transformer_deep_copies_and_pickles(kind):
+    run = runner(kind, NATIVE[kind])
+    check_deepcopy(build(kind), lambda m: patch_dit(m, ENCODINGS[kind]), run)
+    check_pickle(build(kind), lambda m: patch_dit(m, scaling='yarn', train_grid=(2,) * len(NATIVE[kind])), run)
+
+
+@pytest.mark.parametrize('kind', HOSTS)
+def test_vispe_encoding_changes_the_output_and_remove_restores(kind):
+    model = build(kind)
+    run = runner(kind, NATIVE[kind])
+    want = run(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with patch_dit(model, 'rope_axial') as handle:
+        assert not torch.allclose(run(model), want)
+        assert handle.encoding.name == 'rope_axial'
+    torch.testing.assert_close(run(model), want, rtol=0, atol=0)
+    assert model.state_dict().keys() == state.keys() and all(torch.equal(model.state_dict()[k], v)
+                                                             for k, v in state.items())
+
+
+def test_one_patch_per_transformer_tree():
+    model = build('flux')
+    holder = nn.Sequential(model)
+    handle = patch_dit(model)
+    with pytest.raises(AlreadyPatchedError, match='already patched'):
+        patch_dit(model, 'liere')
+    with pytest.raises(AlreadyPatchedError, match='its submodule'):
+        refuse_patched(holder, 'another adapter')
+    handle.remove()
+    patch_dit(model, 'liere').remove()
+
+
+def test_bad_input_is_refused_naming_the_argument():
+    model = build('flux')
+    with pytest.raises(UnsupportedModelError, match='patch_dit supports the diffusers classes'):
+        patch_dit(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match='scaling must be one of'):
+        patch_dit(model, scaling='dynamic')
+    with pytest.raises(ValueError, match=r"scaling names axes \['t'\]"):
+        patch_dit(model, scaling={'t': 'riflex'})
+    with pytest.raises(ValueError, match='target must be 2 positive integers'):
+        patch_dit(model, scaling='yarn', target=(1024,))
+    with pytest.raises(ValueError, match='a vispe encoding takes its own options'):
+        patch_dit(model, 'rope_axial', scaling='yarn')
+    with pytest.raises(ValueError, match='reference_layout is an option of FLUX'):
+        patch_dit(build('wan'), reference_layout='offset')
+    with pytest.raises(ValueError, match='text_layout is an option of QwenImage'):
+        patch_dit(model, text_layout='table')
+    with pytest.raises(ValueError, match="reads \\['cameras'"):
+        patch_dit(model, 'prope')
+    with pytest.raises(ValueError, match='acts between blocks'):
+        patch_dit(model, 'peg')
+    with pytest.raises(ValueError, match='unknown options'):
+        patch_dit(model, theta=3.0)
+    assert not any('_vispe_patch' in m.__dict__ for m in model.modules())  # nothing patched half-way
+    assert type(model.pos_embed).__name__ == 'FluxPosEmbed'
+
+
+def test_unsupported_diffusers_version_names_the_extra(monkeypatch):
+    import diffusers
+    monkeypatch.setattr(diffusers, '__version__', '0.30.0')
+    with pytest.raises(ImportError, match=r'patch_dit supports diffusers >= 0.42, < 0.43.*vispe\[diffusers\]'):
+        patch_dit(build('flux'))
+
+
+def test_a_vispe_encoding_refuses_flux_reference_images():
+    model = build('flux')
+    kw = inputs('flux', (4, 4), hidden_states=torch.randn(1, 22, 4), img_ids=kontext_ids((4, 4), [(2, 3)]))
+    with patch_dit(model, 'rope_axial'), pytest.raises(ValueError, match='reference images'):
+        forward(model, kw)
+
+
+def test_batched_forward_equals_each_sample_alone():
+    model = build('flux')
+    both = inputs('flux', (4, 4), batch=2)
+    with patch_dit(model, scaling='ntk', train_grid=(2, 2)), torch.no_grad():
+        out = forward(model, both)
+        for b in range(2):
+            one = dict(both, **{k: both[k][b:b + 1] for k in ('hidden_states', 'encoder_hidden_states',
+                                                               'pooled_projections', 'timestep')})
+            torch.testing.assert_close(forward(model, one), out[b:b + 1], rtol=0, atol=1e-6)
+    assert math.isfinite(float(out.abs().sum()))
