@@ -146,8 +146,9 @@ class FluxProcessor:
             key = torch.cat([attn.norm_added_k(e_key.unflatten(-1, (-1, attn.head_dim))), key], dim=1)
             value = torch.cat([e_value.unflatten(-1, (-1, attn.head_dim)), value], dim=1)
         prepared = image_rotary_emb.prepared if image_rotary_emb is not None else None
+        x = hidden_states if encoder_hidden_states is None else torch.cat([encoder_hidden_states, hidden_states], 1)
         out = pe_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), prepared, self.layer,
-                           attn_mask=attention_mask)
+                           x=x, attn_mask=attention_mask)
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out

@@ -39,13 +39,15 @@ class Host:
     Class attributes:
         label: the name in messages; classes: the diffusers class names it takes; axes: the scaled axes;
         timestep_scale: the transformer's ``timestep`` argument at pure noise (1 or 1000);
-        pixels: per scaled axis, pixels (frames) -> tokens of the released pipelines (for ``target``).
+        video: time is a grid axis; joint_text: the text tokens share the image tokens' attention (as
+        prefix tokens of vispe's positions).
     """
     label: ClassVar[str] = ''
     classes: ClassVar[Tuple[str, ...]] = ()
     axes: ClassVar[Tuple[str, ...]] = ('h', 'w')
     timestep_scale: ClassVar[float] = 1000.0
     video: ClassVar[bool] = False
+    joint_text: ClassVar[bool] = True
 
     def check(self, transformer: nn.Module) -> None:
         """Raise `UnsupportedModelError` when the instance lacks what the patch replaces."""

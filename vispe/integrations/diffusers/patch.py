@@ -17,7 +17,7 @@ from .host import Host
 from .qwenimage import TEXT_LAYOUTS, QwenImageHost
 from .scaling import DiTScaling, Schedule, ScalingSpec, noise_level, tokens_of
 from .sd3 import SD3Host
-from .state import TimestepSlot, argument, with_argument
+from .state import TimestepSlot, argument, prepare_state, with_argument
 from .wan import WanHost
 
 __all__ = ['patch_dit', 'DiTPatch', 'HOSTS', 'SUPPORTED_DIFFUSERS']
@@ -185,4 +185,12 @@ def _encoding(transformer: nn.Module, host: Host, pe: PESpec, grid: Tuple[int, .
     device = next(iter(transformer.parameters())).device
     encoding = create_pe(pe, ctx, device=device, **options)
     encoding.train(transformer.training)
+    try:  # a small grid after two text tokens: what every forward asks of the encoding, refused now if it cannot
+        with torch.no_grad():
+            prepare_state(encoding, (1, 2, 2) if host.video else (2, 2), 2 if host.joint_text else 0, grid, device)
+    except (ValueError, NotImplementedError) as e:
+        text = 'text tokens first, then ' if host.joint_text else ''
+        raise ValueError(f'encoding {pe!r} cannot position {host.label}\'s tokens ({text}a {len(grid)}D latent grid '
+                         f'whose size changes with the output): {e}') from None
+    encoding.clear_cache()
     return encoding

@@ -91,6 +91,7 @@ class WanHost(Host):
     classes = ('WanTransformer3DModel',)
     axes = ('t', 'h', 'w')
     video = True
+    joint_text = False  # text enters by cross-attention (attn2), which sees no positions
 
     def check(self, transformer):
         rope = getattr(transformer, 'rope', None)
