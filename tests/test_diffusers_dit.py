@@ -279,3 +279,16 @@ def test_a_learned_encoding_trains_one_flow_matching_step(kind, spec):
 @pytest.mark.parametrize('spec', _rotary_or_additive())
 def test_every_rotary_and_additive_encoding_trains_in_every_host(kind, spec):
     _flow_matching_step(kind, spec)
+
+
+@pytest.mark.parametrize('patch', [{}, {'scaling': 'yarn', 'target': (128, 128), 'train_grid': (4, 4)}])
+def test_patched_flux_compiles_to_one_graph(patch):
+    """torch.compile(fullgraph=True) (no graph break) of FLUX with its own encoding, scaled for a fixed
+    target (the graph of the compiler's front end, checked against the eager forward)."""
+    model = build('flux')
+    kw = inputs('flux', (8, 8))
+    with patch_dit(model, **patch), torch.no_grad():
+        want = forward(model, kw)
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True, backend='eager')(**kw).sample
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

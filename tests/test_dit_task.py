@@ -49,6 +49,6 @@ def test_scenes_are_the_same_at_every_grid():
 def test_dit_config_validates_and_scaling_needs_the_own_encoding():
     from train.config import ConfigError, load_config
     cfg, _ = load_config(CONFIG, [])
-    assert cfg.task == 'dit' and cfg.model.host == 'flux' and cfg.model.pe is None
+    assert cfg.task == 'dit' and cfg.model.host == 'flux' and cfg.model.pe == 'own'
     with pytest.raises(ConfigError, match="model.scaling: scales the host's own encoding"):
         load_config(CONFIG, ['model.pe=liere', 'model.scaling=yarn', 'sweep={}'])

@@ -53,8 +53,8 @@ TINY_HOSTS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 class ModelConfig:
     """``model:`` section of the dit task."""
     host: Literal['flux', 'sd3', 'qwenimage', 'wan'] = option('flux', 'the diffusers transformer class')
-    pe: Optional[str] = option(None, "vispe encoding spec; null: the host's own, computed by vispe")
-    scaling: str = option('none', "frequency scaling of the host's own encoding (pe: null) at larger grids: none, "
+    pe: str = option('own', "vispe encoding spec, or 'own': the host's own encoding, computed by vispe")
+    scaling: str = option('none', "frequency scaling of the host's own encoding (pe: own) at larger grids: none, "
                                   'linear, ntk, yarn, riflex')
     kwargs: Dict[str, Any] = option(factory=dict, help='diffusers config keys of the transformer (over the tiny one)')
 
@@ -206,8 +206,8 @@ class DiTTask(Task):
     @classmethod
     def check_config(cls, cfg: Config) -> None:
         m = cfg.model
-        if m.pe is not None and m.scaling != 'none':
-            raise ConfigError("model.scaling: scales the host's own encoding (model.pe: null); an encoding takes its "
+        if m.pe != 'own' and m.scaling != 'none':
+            raise ConfigError("model.scaling: scales the host's own encoding (model.pe: own); an encoding takes its "
                               "own options, e.g. model.pe: 'rope_axial:scaling=yarn'")
         if m.host == 'qwenimage' and cfg.data.grid % 2:
             raise ConfigError('data.grid: QwenImage centres its rows and columns; use an even grid')
@@ -215,7 +215,7 @@ class DiTTask(Task):
     # ------------------------------------------------------------------ model
     def _kwargs(self) -> Dict[str, Any]:
         m, d = self.cfg.model, self.cfg.data
-        return dict(host=m.host, pe=m.pe, scaling=m.scaling, kwargs=dict(m.kwargs), grid=d.grid, frames=d.frames,
+        return dict(host=m.host, pe=None if m.pe == 'own' else m.pe, scaling=m.scaling, kwargs=dict(m.kwargs), grid=d.grid, frames=d.frames,
                     classes=d.classes, text_tokens=d.text_tokens)
 
     def _create(self, kwargs: Dict[str, Any]) -> nn.Module:

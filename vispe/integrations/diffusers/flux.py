@@ -83,21 +83,23 @@ class FluxRope(TimestepSlot):
         self.theta, self.axes_dim = theta, tuple(axes_dim)
         self.scaling, self.train_grid, self.reference_layout = scaling, train_grid, reference_layout
         self.encoding = encoding
+        from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
+        self._angle_dtype = maybe_adjust_dtype_for_device  # the host's rule: float64 where the device has it
 
     def forward(self, ids: torch.Tensor) -> Any:
         if self.reference_layout is not None:
             ids = relayout_references(ids, self.reference_layout)
         if self.encoding is not None:
             return self._state(ids)
-        from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
         pos = ids.float()
         options = lengths = None
         if self.scaling.active:
             options = self.scaling.at(self.noise_level)
-            main = pos[pos[:, 0] == 0]  # the generated image (and the text, at row / column 0)
-            lengths = {'h': float(main[:, 1].max() - main[:, 1].min() + 1),
-                       'w': float(main[:, 2].max() - main[:, 2].min() + 1)}
-        dtype = maybe_adjust_dtype_for_device(torch.float64, ids.device)
+            if any(s.factor is None for s in options.values()):  # lengths read from the ids (a fixed target
+                main = pos[pos[:, 0] == 0]  # needs none): the generated image, and the text at row / column 0
+                lengths = {'h': float(main[:, 1].max() - main[:, 1].min() + 1),
+                           'w': float(main[:, 2].max() - main[:, 2].min() + 1)}
+        dtype = self._angle_dtype(torch.float64, ids.device)
         tables = axis_tables(self.scaling, options, self.axes_dim, self.theta, (None, 'h', 'w'),
                              [pos[:, i] for i in range(ids.shape[-1])], lengths or {}, dtype)
         cos, sin = [], []
