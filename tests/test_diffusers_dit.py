@@ -140,7 +140,8 @@ def test_qwenimage_long_text_continues_past_the_table():
             model.pos_embed([(1, 4, 4)], device=torch.device('cpu'), max_txt_seq_len=text)
 
 
-ENCODINGS = {'flux': 'rope_mixed', 'sd3': 'learned', 'qwenimage': 'liere', 'wan': 'rope_mixed'}
+ENCODINGS = {'flux': 'rope_mixed', 'sd3': 'learned', 'qwenimage': 'liere', 'wan': 'rope_mixed',
+             'hunyuan_video': 'liere'}
 
 
 @pytest.mark.parametrize('kind', HOSTS)
@@ -252,8 +253,8 @@ def _flow_matching_step(kind: str, spec: str) -> None:
     try:
         handle = patch_dit(model, spec, train_grid=NATIVE[kind])
     except ValueError as e:  # a 2D-only encoding in a video host: refused with the reason, before any change
-        assert kind == 'wan' and ('2D' in str(e) or 'plane' in str(e) or 'divisible' in str(e)), str(e)
-        assert type(model.rope).__name__ == 'WanRotaryPosEmbed'
+        assert kind in ('wan', 'hunyuan_video') and ('2D' in str(e) or 'plane' in str(e) or 'divisible' in str(e)), e
+        assert type(model.rope).__name__ in ('WanRotaryPosEmbed', 'HunyuanVideoRotaryPosEmbed')
         return
     kw = inputs(kind, NATIVE[kind], batch=2)
     noisy, velocity = target_of(kind, kw)
@@ -292,3 +293,50 @@ def test_patched_flux_compiles_to_one_graph(patch):
         torch._dynamo.reset()
         got = torch.compile(model, fullgraph=True, backend='eager')(**kw).sample
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def _attentions(kind, model):
+    """(attention module, vispe processor, call keywords) of each kind of attention the patch replaces."""
+    from vispe.integrations.diffusers.flux import FluxProcessor
+    from vispe.integrations.diffusers.hunyuan_video import HunyuanVideoProcessor
+    from vispe.integrations.diffusers.qwenimage import QwenImageProcessor
+    from vispe.integrations.diffusers.sd3 import SD3Processor
+    from vispe.integrations.diffusers.wan import WanProcessor
+    g = torch.Generator().manual_seed(5)
+    dim = model.config.num_attention_heads * model.config.attention_head_dim
+    x, text = torch.randn(2, 16, dim, generator=g), torch.randn(2, 3, dim, generator=g)
+    if kind == 'flux':
+        return [(model.transformer_blocks[0].attn, FluxProcessor(0), dict(encoder_hidden_states=text)),
+                (model.single_transformer_blocks[0].attn, FluxProcessor(1), {})]
+    if kind == 'sd3':
+        block = model.transformer_blocks[0]
+        return [(block.attn, SD3Processor(0, 'joint'), dict(encoder_hidden_states=text)),
+                (block.attn2, SD3Processor(2, 'image'), {})]
+    if kind == 'qwenimage':
+        mask = torch.tensor([[True, True, False], [True, True, True]])
+        return [(model.transformer_blocks[0].attn, QwenImageProcessor(0),
+                 dict(encoder_hidden_states=text, encoder_hidden_states_mask=mask))]
+    if kind == 'wan':
+        return [(model.blocks[0].attn1, WanProcessor(0), {})]
+    mask = torch.ones(2, 1, 1, 19, dtype=torch.bool)
+    mask[0, ..., -1] = False
+    return [(model.transformer_blocks[0].attn, HunyuanVideoProcessor(0),
+             dict(encoder_hidden_states=text, attention_mask=mask)),
+            (model.single_transformer_blocks[0].attn, HunyuanVideoProcessor(1),
+             dict(encoder_hidden_states=text, attention_mask=mask))]
+
+
+@pytest.mark.parametrize('kind', HOSTS)
+def test_vispe_processors_follow_the_installed_hosts_processors(kind):
+    """Where vispe copies a host's attention processor: with no encoding it gives the host processor's
+    outputs (without its rotary) on the installed diffusers; a change in diffusers fails here, by host."""
+    model = build(kind)
+    g = torch.Generator().manual_seed(5)
+    dim = model.config.num_attention_heads * model.config.attention_head_dim
+    x = torch.randn(2, 16, dim, generator=g)
+    for attn, processor, kw in _attentions(kind, model):
+        with torch.no_grad():
+            want = attn(x, **kw)
+            got = processor(attn, x, **kw)
+        for a, b in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-6, msg=lambda m: f'{kind} {type(attn).__name__}: {m}')

@@ -1,8 +1,8 @@
 """Diffusion transformers of diffusers with vispe's positions: `patch_dit`.
 
 ``patch_dit(pipe.transformer)`` puts vispe's computation of the host's own encoding in place of the
-transformer's position module (FLUX's ``pos_embed``, QwenImage's ``pos_embed``, Wan's ``rope``, SD3's
-sin-cos table), equal to the unpatched transformer and open to training-free frequency scaling for larger
+transformer's position module (FLUX's ``pos_embed``, QwenImage's ``pos_embed``, Wan's and
+HunyuanVideo's ``rope``, SD3's sin-cos table), equal to the unpatched transformer and open to training-free frequency scaling for larger
 grids and longer videos (``scaling='yarn'``, ``'ntk'``, ``'linear'``, ``'riflex'``, per axis, optionally
 scheduled over the denoising steps); ``patch_dit(transformer, 'liere')`` gives it any vispe rotary or
 additive encoding to fine-tune. One instance at a time; ``handle.remove()`` restores it bit for bit.

@@ -14,6 +14,7 @@ from ...registry import PESpec, create_pe
 from ..base import ModelPatch, UnsupportedModelError, refuse_patched
 from .flux import REFERENCE_LAYOUTS, FluxHost
 from .host import Host
+from .hunyuan_video import HunyuanVideoHost
 from .qwenimage import TEXT_LAYOUTS, QwenImageHost
 from .scaling import DiTScaling, Schedule, ScalingSpec, noise_level, tokens_of
 from .sd3 import SD3Host
@@ -23,8 +24,8 @@ from .wan import WanHost
 __all__ = ['patch_dit', 'DiTPatch', 'HOSTS', 'SUPPORTED_DIFFUSERS']
 
 SUPPORTED_DIFFUSERS = SUPPORTED['diffusers']
-HOSTS: Dict[str, Host] = {name: host for host in (FluxHost(), SD3Host(), QwenImageHost(), WanHost())
-                          for name in host.classes}
+HOSTS: Dict[str, Host] = {name: host for host in (FluxHost(), SD3Host(), QwenImageHost(), WanHost(),
+                                                   HunyuanVideoHost()) for name in host.classes}
 """The diffusers transformer classes `patch_dit` takes, by class name."""
 
 
@@ -110,9 +111,10 @@ def patch_dit(transformer: nn.Module, pe: Optional[PESpec] = None, *, scaling: S
 
     Args:
         transformer: a diffusers ``FluxTransformer2DModel``, ``SD3Transformer2DModel``,
-            ``QwenImageTransformer2DModel`` or ``WanTransformer3DModel`` (e.g. ``pipe.transformer``).
-        pe: None: the host's own encoding, computed by vispe (FLUX's, QwenImage's and Wan's axial rotary,
-            SD3's sin-cos table), equal to the unpatched transformer and open to ``scaling``; or any vispe
+            ``QwenImageTransformer2DModel``, ``WanTransformer3DModel`` or ``HunyuanVideoTransformer3DModel``
+            (e.g. ``pipe.transformer``).
+        pe: None: the host's own encoding, computed by vispe (the axial rotary of FLUX, QwenImage, Wan and
+            HunyuanVideo, SD3's sin-cos table), equal to the unpatched transformer and open to ``scaling``; or any vispe
             rotary / additive encoding spec (``'rope_axial'``, ``'liere'``, ``'sincos'``, ...), to fine-tune.
         scaling: frequency scaling of the host's own encoding for larger grids (longer videos):
             ``'linear'``, ``'ntk'``, ``'yarn'``, ``'riflex'`` for every scaled axis, or ``{axis: method or

@@ -31,12 +31,27 @@ class DiTState:
         embedding: the additive embedding ``(N_image, C)`` of the image tokens, or None.
         num_text: text tokens in the joint sequence.
         grid: the image-token grid of this forward.
+        encoding, train_grid, device: what prepared it (for `joint`).
     """
     prepared: Optional[PreparedPE]
     image: Optional[PreparedPE]
     embedding: Optional[torch.Tensor]
     num_text: int
     grid: Tuple[int, ...]
+    encoding: Optional[PositionalEncoding] = None
+    train_grid: Optional[Tuple[int, ...]] = None
+    device: Optional[torch.device] = None
+
+    def joint(self, num_text: int) -> Optional[PreparedPE]:
+        """Prepared for ``[text, image]`` with ``num_text`` text tokens: for a host whose position module does
+        not see the text (HunyuanVideo) the first attention of the forward prepares it, the others reuse it."""
+        if self.encoding is None or not self.encoding.capabilities.in_attention:
+            return None
+        if self.prepared is None or num_text != self.num_text:
+            self.prepared = self.encoding.prepare(grid(*self.grid, num_prefix=num_text, train_grid=self.train_grid,
+                                                       device=self.device))
+            self.num_text = num_text
+        return self.prepared
 
 
 def prepare_state(encoding: PositionalEncoding, shape: Sequence[int], num_text: int, train_grid: Sequence[int],
@@ -51,7 +66,7 @@ def prepare_state(encoding: PositionalEncoding, shape: Sequence[int], num_text: 
         if image_only:
             image = encoding.prepare(image_pos)
     embedding = encoding.embedding(image_pos) if caps.additive else None
-    return DiTState(prepared, image, embedding, num_text, tuple(shape))
+    return DiTState(prepared, image, embedding, num_text, tuple(shape), encoding, tuple(train_grid), device)
 
 
 def argument(args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str, index: int) -> Any:
