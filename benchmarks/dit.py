@@ -57,21 +57,23 @@ def inputs(host: str, model: torch.nn.Module, grid: int, device: torch.device) -
 
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(device)
+    text = rand(1, TEXT, cfg.text_dim if host == 'wan' else cfg.joint_attention_dim)
     if host == 'flux':
         ids = torch.zeros(grid, grid, 3)
         ids[..., 1], ids[..., 2] = torch.arange(grid)[:, None], torch.arange(grid)[None]
-        return dict(hidden_states=rand(1, grid * grid, 64), encoder_hidden_states=rand(1, TEXT, cfg.joint_attention_dim),
+        return dict(hidden_states=rand(1, grid * grid, 64), encoder_hidden_states=text,
                     pooled_projections=rand(1, cfg.pooled_projection_dim), timestep=torch.tensor([0.5], device=device),
                     img_ids=ids.reshape(-1, 3).to(device), txt_ids=torch.zeros(TEXT, 3, device=device))
     if host == 'sd3':
-        return dict(hidden_states=rand(1, 16, 2 * grid, 2 * grid), encoder_hidden_states=rand(1, TEXT, cfg.joint_attention_dim),
-                    pooled_projections=rand(1, cfg.pooled_projection_dim), timestep=torch.tensor([500.0], device=device))
+        return dict(hidden_states=rand(1, 16, 2 * grid, 2 * grid), encoder_hidden_states=text,
+                    pooled_projections=rand(1, cfg.pooled_projection_dim),
+                    timestep=torch.tensor([500.0], device=device))
     if host == 'qwenimage':
-        return dict(hidden_states=rand(1, grid * grid, 64), encoder_hidden_states=rand(1, TEXT, cfg.joint_attention_dim),
+        return dict(hidden_states=rand(1, grid * grid, 64), encoder_hidden_states=text,
                     encoder_hidden_states_mask=torch.ones(1, TEXT, dtype=torch.bool, device=device),
                     timestep=torch.tensor([0.5], device=device), img_shapes=[[(1, grid, grid)]])
     return dict(hidden_states=rand(1, 16, 4, 2 * grid, 2 * grid), timestep=torch.tensor([500.0], device=device),
-                encoder_hidden_states=rand(1, TEXT, cfg.text_dim))
+                encoder_hidden_states=text)
 
 
 def runner(model: torch.nn.Module, kw: Dict[str, Any]) -> Callable[[], Any]:

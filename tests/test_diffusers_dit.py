@@ -15,7 +15,7 @@ from vispe.integrations.base import refuse_patched  # noqa: E402
 from vispe.integrations.diffusers import kontext_ids  # noqa: E402
 
 from adapter_checks import check_deepcopy, check_pickle  # noqa: E402
-from dit_hosts import HOSTS, NATIVE, build, flux_ids, forward, inputs, runner, scaled  # noqa: E402
+from dit_hosts import HOSTS, NATIVE, build, forward, inputs, runner, scaled  # noqa: E402
 
 GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2)]  # (spatial factor, frame factor): native, 2x, 4x, 2x frames
 
@@ -100,6 +100,9 @@ def test_sd3_grid_beyond_its_table_continues_the_formula():
         table = handle.rope(max_size + 2, max_size + 2, torch.device('cpu')).reshape(max_size + 2, max_size + 2, -1)
     stored = model.pos_embed.pos_embed.reshape(max_size, max_size, -1)
     torch.testing.assert_close(table[1:-1, 1:-1], stored, rtol=0, atol=0)
+    with patch_dit(model.to(torch.bfloat16)) as handle:  # the host's stored table follows the model to bf16
+        assert model.pos_embed.pos_embed.dtype == torch.bfloat16
+        assert handle.rope(4, 4, torch.device('cpu')).dtype == torch.float32
 
 
 def test_wan_runs_past_its_table_and_keeps_tables_float32():

@@ -2,7 +2,8 @@
 encoding (`vispe.integrations.patch_dit`), trained by flow matching on embedded generated images.
 
 The data needs no download: item ``i`` is a scene drawn from ``(data.seed, i)``: three shapes of one of
-``data.classes`` kinds (blob, ring, square, blob with a sign change across it; for Wan each moves along a line over the frames)
+``data.classes`` kinds (blob, ring, square, blob with a sign change across it; in video each moves along
+a line over the frames)
 rendered as a latent image whose channels mix the shapes with random weights. A scene is defined in
 continuous coordinates, so ``eval_dataset(size)`` renders the same scenes on a ``size x size`` token grid:
 the extrapolation sweep measures how the encoding holds at grids it never trained on. The text of a scene
@@ -215,8 +216,8 @@ class DiTTask(Task):
     # ------------------------------------------------------------------ model
     def _kwargs(self) -> Dict[str, Any]:
         m, d = self.cfg.model, self.cfg.data
-        return dict(host=m.host, pe=None if m.pe == 'own' else m.pe, scaling=m.scaling, kwargs=dict(m.kwargs), grid=d.grid, frames=d.frames,
-                    classes=d.classes, text_tokens=d.text_tokens)
+        return dict(host=m.host, pe=None if m.pe == 'own' else m.pe, scaling=m.scaling, kwargs=dict(m.kwargs),
+                    grid=d.grid, frames=d.frames, classes=d.classes, text_tokens=d.text_tokens)
 
     def _create(self, kwargs: Dict[str, Any]) -> nn.Module:
         try:

@@ -25,7 +25,7 @@ from ...contract import PEContext, PositionalEncoding
 from ..base import UnsupportedModelError
 from .host import Host, axis_tables
 from .scaling import DiTScaling
-from .state import DiTState, TimestepSlot, argument, prepare_state, with_argument
+from .state import DiTState, TimestepSlot, prepare_state
 
 __all__ = ['FluxHost', 'FluxRope', 'FluxProcessor', 'kontext_ids', 'REFERENCE_LAYOUTS']
 
@@ -135,7 +135,8 @@ class FluxProcessor:
     def __init__(self, layer: int) -> None:
         self.layer = layer
 
-    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: Optional[torch.Tensor] = None,
                  attention_mask: Optional[torch.Tensor] = None, image_rotary_emb: Optional[DiTState] = None
                  ) -> Any:
         from diffusers.models.transformers.transformer_flux import _get_qkv_projections
@@ -154,8 +155,8 @@ class FluxProcessor:
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
-        text, out = out.split_with_sizes([encoder_hidden_states.shape[1], out.shape[1] - encoder_hidden_states.shape[1]],
-                                         dim=1)
+        text_len = encoder_hidden_states.shape[1]
+        text, out = out[:, :text_len], out[:, text_len:]
         out = attn.to_out[1](attn.to_out[0](out.contiguous()))
         return out, attn.to_add_out(text.contiguous())
 

@@ -68,7 +68,8 @@ class HunyuanVideoProcessor:
     def __init__(self, layer: int) -> None:
         self.layer = layer
 
-    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: Optional[torch.Tensor] = None,
                  attention_mask: Optional[torch.Tensor] = None, image_rotary_emb: Optional[DiTState] = None) -> Any:
         if encoder_hidden_states is None:
             raise ValueError('the patched HunyuanVideo attention takes the text stream (encoder_hidden_states)')

@@ -75,8 +75,8 @@ class QwenImageRope(TimestepSlot):
         for i, (f, h, w) in enumerate(shapes):
             axes = [torch.arange(i, i + f, device=device, dtype=torch.float32),
                     self._axis(h, self.scale_rope, device), self._axis(w, self.scale_rope, device)]
-            tables = [torch.polar(torch.full_like(a, m), a) for a, m in
-                      axis_tables(self.scaling, options, self.axes_dim, self.theta, names, axes, lengths, torch.float32)]
+            angles = axis_tables(self.scaling, options, self.axes_dim, self.theta, names, axes, lengths, torch.float32)
+            tables = [torch.polar(torch.full_like(a, m), a) for a, m in angles]
             t, r, c = tables
             images.append(torch.cat([t.view(f, 1, 1, -1).expand(f, h, w, -1), r.view(1, h, 1, -1).expand(f, h, w, -1),
                                      c.view(1, 1, w, -1).expand(f, h, w, -1)], dim=-1).reshape(f * h * w, -1))
@@ -143,8 +143,8 @@ class QwenImageHost(Host):
             raise UnsupportedModelError('patch_dit: QwenImage with use_layer3d_rope=True (the layered rotary) is not '
                                         'supported; the QwenEmbedRope models are')
         if type(transformer.pos_embed).__name__ != 'QwenEmbedRope':
-            raise UnsupportedModelError(f'patch_dit: QwenImage with a {type(transformer.pos_embed).__name__} pos_embed; '
-                                        f'QwenEmbedRope is supported')
+            raise UnsupportedModelError(f'patch_dit: QwenImage with a {type(transformer.pos_embed).__name__} '
+                                        f'pos_embed; QwenEmbedRope is supported')
 
     def train_grid(self, transformer):
         return (64, 64)  # the pipeline's default 1024 x 1024: 8x VAE, 2 x 2 patches

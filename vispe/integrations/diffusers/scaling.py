@@ -128,7 +128,8 @@ class DiTScaling:
         if self.schedule is None:
             return self.per_axis
         if t is None:
-            raise ValueError('a scaling schedule needs the timestep of the forward: call the transformer with timestep=')
+            raise ValueError('a scaling schedule needs the timestep of the forward: call the transformer with '
+                             'timestep=')
         return {a: s.replace(self.schedule(t, a), 'schedule') for a, s in self.per_axis.items()}
 
     def axis_frequencies(self, options: Dict[str, AxisScaling], axis: str, freqs: torch.Tensor,

@@ -45,7 +45,8 @@ class SD3Table(TimestepSlot):
     def __init__(self, dim: int, max_size: int, base_size: int, interpolation_scale: float, scaling: DiTScaling,
                  encoding: Optional[PositionalEncoding], train_grid: Tuple[int, int]) -> None:
         super().__init__()
-        self.dim, self.max_size, self.base_size, self.interpolation_scale = dim, max_size, base_size, interpolation_scale
+        self.dim, self.max_size, self.base_size = dim, max_size, base_size
+        self.interpolation_scale = interpolation_scale
         self.scaling, self.train_grid, self.encoding = scaling, train_grid, encoding
 
     def _axis(self, n: int, name: str, options: Any, device: torch.device) -> torch.Tensor:
@@ -95,7 +96,8 @@ class SD3Processor:
     def __init__(self, layer: int, kind: str) -> None:
         self.layer, self.kind = layer, kind
 
-    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: Optional[torch.Tensor] = None,
                  attention_mask: Optional[torch.Tensor] = None, vispe_state: Optional[DiTState] = None) -> Any:
         b, heads = hidden_states.shape[0], attn.heads
 

@@ -72,7 +72,8 @@ class WanProcessor:
     def __init__(self, layer: int) -> None:
         self.layer = layer
 
-    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: Optional[torch.Tensor] = None,
                  attention_mask: Optional[torch.Tensor] = None, rotary_emb: Optional[DiTState] = None) -> torch.Tensor:
         from diffusers.models.transformers.transformer_wan import _get_qkv_projections
         if encoder_hidden_states is not None:
