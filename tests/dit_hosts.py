@@ -7,14 +7,15 @@ from typing import Callable, Dict, Sequence, Tuple
 import torch
 from torch import nn
 
-HOSTS = ('flux', 'sd3', 'qwenimage', 'wan', 'hunyuan_video')
-NATIVE = {'flux': (4, 4), 'sd3': (4, 4), 'qwenimage': (4, 4), 'wan': (2, 4, 4), 'hunyuan_video': (2, 4, 4)}
+HOSTS = ('flux', 'sd3', 'qwenimage', 'wan', 'hunyuan_video', 'ltx_video')
+NATIVE = {'flux': (4, 4), 'sd3': (4, 4), 'qwenimage': (4, 4), 'wan': (2, 4, 4), 'hunyuan_video': (2, 4, 4),
+          'ltx_video': (2, 4, 4)}
 TEXT = 3
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
-    from diffusers import FluxTransformer2DModel, HunyuanVideoTransformer3DModel, QwenImageTransformer2DModel, \
-        SD3Transformer2DModel, WanTransformer3DModel
+    from diffusers import FluxTransformer2DModel, HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel, \
+        QwenImageTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
     torch.manual_seed(seed)
     if kind == 'flux':
         model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
@@ -38,6 +39,9 @@ def build(kind: str, seed: int = 0) -> nn.Module:
                                                attention_head_dim=12, num_layers=1, num_single_layers=1,
                                                num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=8,
                                                pooled_projection_dim=8, rope_axes_dim=(4, 4, 4))
+    elif kind == 'ltx_video':  # inner width 32: 5 frequencies per axis, 2 channels unrotated
+        model = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
+                                           cross_attention_dim=32, num_layers=2, caption_channels=8)
     else:
         raise ValueError(kind)
     return model.eval()
@@ -85,6 +89,12 @@ def inputs(kind: str, grid: Sequence[int], text: int = TEXT, batch: int = 1, tim
                   timestep=torch.full((batch,), 1000 * timestep),
                   encoder_hidden_states=torch.randn(batch, text, 8, generator=g), encoder_attention_mask=mask,
                   pooled_projections=torch.randn(batch, 8, generator=g), guidance=torch.full((batch,), 3.0))
+    elif kind == 'ltx_video':
+        t, h, w = grid
+        kw = dict(hidden_states=torch.randn(batch, t * h * w, 4, generator=g),
+                  encoder_hidden_states=torch.randn(batch, text, 8, generator=g),
+                  timestep=torch.full((batch,), 1000 * timestep), encoder_attention_mask=torch.ones(batch, text),
+                  num_frames=t, height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32))
     else:
         raise ValueError(kind)
     kw.update(extra)
@@ -97,7 +107,7 @@ def target_of(kind: str, kw: Dict[str, object]) -> Tuple[torch.Tensor, torch.Ten
     x0 = kw['hidden_states']
     g = torch.Generator().manual_seed(2)
     noise = torch.randn(x0.shape, generator=g)
-    t = kw['timestep'].float() / (1000.0 if kind in ('sd3', 'wan', 'hunyuan_video') else 1.0)
+    t = kw['timestep'].float() / (1000.0 if kind in ('sd3', 'wan', 'hunyuan_video', 'ltx_video') else 1.0)
     shape = (-1,) + (1,) * (x0.dim() - 1)
     return (1 - t.view(shape)) * x0 + t.view(shape) * noise, noise - x0
 

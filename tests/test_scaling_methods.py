@@ -207,3 +207,36 @@ def test_a_schedule_reads_wans_timestep_in_thousandths_and_refuses_mixed_steps()
     with pytest.raises(ValueError, match='unknown scaling options'):
         with patch_dit(model, schedule=lambda t, axis: {'factr': 2.0}, train_grid=(2, 4, 4)):
             forward(model, inputs('wan', (2, 4, 4)))
+
+
+def _ltx_table(patch, frames, rows, cols):
+    model = build('ltx_video')
+    with patch_dit(model, train_grid=(2, 4, 4), **patch) as handle:
+        return handle.rope(torch.zeros(1, 1, 4), frames, rows, cols, (8 / 25, 32, 32))
+
+
+def _ltx_by_hand(freqs, frames, rows, cols):
+    """LTX's table by its formula: coordinate ``i * s_a * p_a / base_a``, angle ``f (2c - 1)``, the three
+    axes interleaved per frequency, 2 leftover channels first (cos 1, sin 0)."""
+    scale, base = (8 / 25, 32, 32), (20, 2048, 2048)
+    axes = [torch.arange(n, dtype=torch.float64) * s / b for n, s, b in zip((frames, rows, cols), scale, base)]
+    coords = torch.stack(torch.meshgrid(*axes, indexing='ij'), -1).reshape(-1, 3)
+    angles = freqs[None] * (2 * coords[..., None] - 1)            # (N, 3, F)
+    cos = angles.cos().transpose(1, 2).flatten(1).repeat_interleave(2, -1)
+    return torch.cat([torch.ones(cos.shape[0], 2, dtype=torch.float64), cos], -1).float()
+
+
+def test_ltx_video_scales_its_per_token_frequencies_from_high_to_low():
+    """LTX's frequencies increase with k; NTK keeps the highest per-token frequency (the last) and divides
+    the lowest (the first) by s; position interpolation divides all. (LTX computes angles up to
+    10^4 pi / 2 in float32, so its own table carries ~1e-3 of rounding against this float64 one.)"""
+    f = (10000.0 ** torch.linspace(0, 1, 5, dtype=torch.float64)) * math.pi / 2
+    want_base = _ltx_by_hand(f.expand(3, -1), 4, 8, 8)
+    cos, _ = _ltx_table({}, 4, 8, 8)
+    torch.testing.assert_close(cos[0], want_base, rtol=0, atol=5e-3)
+    cos, _ = _ltx_table({'scaling': 'linear'}, 4, 8, 8)
+    torch.testing.assert_close(cos[0], _ltx_by_hand(f.expand(3, -1) / 2, 4, 8, 8), rtol=0, atol=5e-3)
+    cos, _ = _ltx_table({'scaling': 'ntk'}, 4, 8, 8)
+    k = torch.arange(5, dtype=torch.float64)
+    ntk = f * 2.0 ** (-(4 - k) / 4)   # descending index 4 - k: the highest kept, the lowest halved
+    torch.testing.assert_close(cos[0], _ltx_by_hand(ntk.expand(3, -1), 4, 8, 8), rtol=0, atol=5e-3)

@@ -10,8 +10,8 @@ A patched model deep-copies and pickles. ``pe=None`` is the model's own encoding
   Qwen2.5-VL and Qwen3-VL (and Qwen3-VL-MoE) models.
 * `patch_detr` (`vispe.integrations.transformers_detr`): any encoding in transformers' DETR, Conditional
   DETR, Deformable DETR and RT-DETR (v1, v2) models, each padded image at its own grid's positions.
-* `patch_dit` (`vispe.integrations.diffusers`): diffusers' FLUX, SD3, QwenImage, Wan and HunyuanVideo
-  transformers:
+* `patch_dit` (`vispe.integrations.diffusers`): diffusers' FLUX, SD3, QwenImage, Wan, HunyuanVideo and
+  LTX-Video transformers:
   their own encoding computed by vispe (with training-free frequency scaling for larger grids and longer
   videos) or any vispe rotary / additive encoding.
 * `use_pe` (`vispe.integrations.open_clip`): any encoding in an open_clip CLIP model's timm image tower.

@@ -1,12 +1,11 @@
 """Diffusion transformers of diffusers with vispe's positions: `patch_dit`.
 
 ``patch_dit(pipe.transformer)`` puts vispe's computation of the host's own encoding in place of the
-transformer's position module (FLUX's ``pos_embed``, QwenImage's ``pos_embed``, Wan's and HunyuanVideo's
-``rope``, SD3's sin-cos table), equal to the unpatched transformer and open to training-free frequency
+transformer's position module (FLUX's ``pos_embed``, QwenImage's ``pos_embed``, the ``rope`` of Wan,
+HunyuanVideo and LTX-Video, SD3's sin-cos table), equal to the unpatched transformer and open to training-free frequency
 scaling for larger grids and longer videos (``scaling='yarn'``, ``'ntk'``, ``'linear'``, ``'riflex'``, per
 axis, optionally scheduled over the denoising steps); ``patch_dit(transformer, 'liere')`` gives it any vispe
 rotary or additive encoding to fine-tune. One instance at a time; ``handle.remove()`` restores it bit for bit.
-LTX-Video, whose rotary takes its own interpolation scale and normalised coordinates, is not supported.
 
 Per forward, the host's own argument carries the positions to every block and attention processor
 (``image_rotary_emb`` / ``rotary_emb``; SD3: ``joint_attention_kwargs``): the replaced position module

@@ -15,6 +15,7 @@ from ..base import ModelPatch, UnsupportedModelError, refuse_patched
 from .flux import REFERENCE_LAYOUTS, FluxHost
 from .host import Host
 from .hunyuan_video import HunyuanVideoHost
+from .ltx_video import LTXVideoHost
 from .qwenimage import TEXT_LAYOUTS, QwenImageHost
 from .scaling import DiTScaling, Schedule, ScalingSpec, noise_level, tokens_of
 from .sd3 import SD3Host
@@ -25,7 +26,7 @@ __all__ = ['patch_dit', 'DiTPatch', 'HOSTS', 'SUPPORTED_DIFFUSERS']
 
 SUPPORTED_DIFFUSERS = SUPPORTED['diffusers']
 HOSTS: Dict[str, Host] = {name: host for host in (FluxHost(), SD3Host(), QwenImageHost(), WanHost(),
-                                                   HunyuanVideoHost()) for name in host.classes}
+                                                   HunyuanVideoHost(), LTXVideoHost()) for name in host.classes}
 """The diffusers transformer classes `patch_dit` takes, by class name."""
 
 
@@ -111,11 +112,12 @@ def patch_dit(transformer: nn.Module, pe: Optional[PESpec] = None, *, scaling: S
 
     Args:
         transformer: a diffusers ``FluxTransformer2DModel``, ``SD3Transformer2DModel``,
-            ``QwenImageTransformer2DModel``, ``WanTransformer3DModel`` or ``HunyuanVideoTransformer3DModel``
-            (e.g. ``pipe.transformer``).
-        pe: None: the host's own encoding, computed by vispe (the axial rotary of FLUX, QwenImage, Wan and
-            HunyuanVideo, SD3's sin-cos table), equal to the unpatched transformer and open to ``scaling``; or any vispe
-            rotary / additive encoding spec (``'rope_axial'``, ``'liere'``, ``'sincos'``, ...), to fine-tune.
+            ``QwenImageTransformer2DModel``, ``WanTransformer3DModel``, ``HunyuanVideoTransformer3DModel`` or
+            ``LTXVideoTransformer3DModel`` (e.g. ``pipe.transformer``).
+        pe: None: the host's own encoding, computed by vispe (the axial rotary of FLUX, QwenImage, Wan,
+            HunyuanVideo and LTX-Video, SD3's sin-cos table), equal to the unpatched transformer and open to
+            ``scaling``; or any vispe rotary / additive encoding spec (``'rope_axial'``, ``'liere'``,
+            ``'sincos'``, ...), to fine-tune.
         scaling: frequency scaling of the host's own encoding for larger grids (longer videos):
             ``'linear'``, ``'ntk'``, ``'yarn'``, ``'riflex'`` for every scaled axis, or ``{axis: method or
             options}`` (axes ``'h'``, ``'w'``; ``'t'`` for video).
