@@ -52,3 +52,20 @@ def test_dit_config_validates_and_scaling_needs_the_own_encoding():
     assert cfg.task == 'dit' and cfg.model.host == 'flux' and cfg.model.pe == 'own'
     with pytest.raises(ConfigError, match="model.scaling: scales the host's own encoding"):
         load_config(CONFIG, ['model.pe=liere', 'model.scaling=yarn', 'sweep={}'])
+
+
+@pytest.mark.parametrize('host', ['flux', 'sd3', 'qwenimage', 'wan', 'hunyuan_video', 'ltx_video'])
+def test_every_host_of_the_task_takes_a_training_and_an_evaluation_step(host):
+    from train.config import load_config
+    from train.tasks import get_task
+    cfg, _ = load_config(CONFIG, TINY_RUN + [f'model.host={host}', 'model.pe=rope_mixed'])
+    task = get_task('dit')(cfg)
+    model = task.build_model()
+    batch = next(iter(torch.utils.data.DataLoader(task.train_dataset(), batch_size=2)))
+    loss, _ = task.train_step(model, batch, 0)
+    loss.backward()
+    assert torch.isfinite(loss) and model.patch.encoding.freqs.grad is not None
+    larger = next(iter(torch.utils.data.DataLoader(task.eval_dataset(6), batch_size=2)))
+    with torch.no_grad():
+        sums = task.eval_step(model.eval(), larger)
+    assert sums['count'] == 2 and torch.isfinite(sums['loss'])

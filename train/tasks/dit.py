@@ -1,5 +1,5 @@
-"""Diffusion transformers: a tiny diffusers FLUX, SD3, QwenImage or Wan transformer with a swappable
-encoding (`vispe.integrations.patch_dit`), trained by flow matching on embedded generated images.
+"""Diffusion transformers: a tiny diffusers FLUX, SD3, QwenImage, Wan, HunyuanVideo or LTX-Video transformer
+with a swappable encoding (`vispe.integrations.patch_dit`), trained by flow matching on embedded generated images.
 
 The data needs no download: item ``i`` is a scene drawn from ``(data.seed, i)``: three shapes of one of
 ``data.classes`` kinds (blob, ring, square, blob with a sign change across it; in video each moves along
@@ -9,7 +9,7 @@ continuous coordinates, so ``eval_dataset(size)`` renders the same scenes on a `
 the extrapolation sweep measures how the encoding holds at grids it never trained on. The text of a scene
 is its kind: a fixed random embedding per kind (``data.text_tokens`` tokens and a pooled vector).
 
-Flow matching (rectified flow, as FLUX, SD3, QwenImage and Wan train): ``x_t = (1 - t) x_0 + t noise``,
+Flow matching (rectified flow, as these models train): ``x_t = (1 - t) x_0 + t noise``,
 the transformer predicts the velocity ``noise - x_0`` at noise level ``t``, loss the mean squared error;
 ``t ~ U(0, 1)`` in training, a fixed level per evaluation item (``data.eval_levels`` levels in turn, noise
 from the item's index), so evaluations are comparable across encodings and sizes. The metric is that loss.
@@ -32,7 +32,8 @@ from .base import Task, register_task
 
 __all__ = ['DiTTask', 'DiTModel', 'ModelConfig', 'DataConfig', 'render_scene', 'TINY_HOSTS']
 
-HOSTS = ('flux', 'sd3', 'qwenimage', 'wan')
+HOSTS = ('flux', 'sd3', 'qwenimage', 'wan', 'hunyuan_video', 'ltx_video')
+VIDEO = ('wan', 'hunyuan_video', 'ltx_video')
 TINY_HOSTS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     'flux': ('FluxTransformer2DModel', dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
                                             attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
@@ -46,6 +47,14 @@ TINY_HOSTS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     'wan': ('WanTransformer3DModel', dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
                                           in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=48,
                                           num_layers=2, rope_max_seq_len=64)),
+    'hunyuan_video': ('HunyuanVideoTransformer3DModel', dict(in_channels=4, out_channels=4, num_attention_heads=2,
+                                                             attention_head_dim=12, num_layers=1, num_single_layers=1,
+                                                             num_refiner_layers=1, patch_size=2, patch_size_t=1,
+                                                             text_embed_dim=16, pooled_projection_dim=16,
+                                                             rope_axes_dim=(4, 4, 4), guidance_embeds=False)),
+    'ltx_video': ('LTXVideoTransformer3DModel', dict(in_channels=4, out_channels=4, num_attention_heads=3,
+                                                     attention_head_dim=12, cross_attention_dim=36, num_layers=2,
+                                                     caption_channels=16)),
 }
 """The tiny transformers of the task (``model.kwargs`` overrides any key): diffusers class, config."""
 
@@ -53,7 +62,8 @@ TINY_HOSTS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 @dataclass
 class ModelConfig:
     """``model:`` section of the dit task."""
-    host: Literal['flux', 'sd3', 'qwenimage', 'wan'] = option('flux', 'the diffusers transformer class')
+    host: Literal['flux', 'sd3', 'qwenimage', 'wan', 'hunyuan_video', 'ltx_video'] = option(
+        'flux', 'the diffusers transformer class')
     pe: str = option('own', "vispe encoding spec, or 'own': the host's own encoding, computed by vispe")
     scaling: str = option('none', "frequency scaling of the host's own encoding (pe: own) at larger grids: none, "
                                   'linear, ntk, yarn, riflex')
@@ -64,7 +74,7 @@ class ModelConfig:
 class DataConfig:
     """``data:`` section of the dit task."""
     grid: int = option(8, 'training token grid (side)', min=2)
-    frames: int = option(2, 'latent frames (wan)', min=1)
+    frames: int = option(2, 'latent frames (video hosts)', min=1)
     classes: int = option(4, 'scene kinds (blob, ring, square, two-signed blob), each with its own text', min=1, max=4)
     text_tokens: int = option(4, 'text tokens per scene', min=1)
     train_size: int = option(256, 'generated training scenes', min=1)
@@ -127,7 +137,7 @@ class DiTModel(nn.Module):
     scene kind; ``forward(latents, t, kinds)`` is the velocity prediction, the latents' shape.
 
     Args:
-        host: ``'flux'``, ``'sd3'``, ``'qwenimage'`` or ``'wan'``.
+        host: ``'flux'``, ``'sd3'``, ``'qwenimage'``, ``'wan'``, ``'hunyuan_video'`` or ``'ltx_video'``.
         pe: a vispe encoding spec, or None (the host's own, computed by vispe).
         scaling: the scaling of the host's own encoding for grids beyond ``grid``.
         kwargs: config keys of the transformer over `TINY_HOSTS`.
@@ -145,19 +155,20 @@ class DiTModel(nn.Module):
         self.host = host
         self.transformer = getattr(diffusers, cls_name)(**config)
         cfg = self.transformer.config
-        text_dim = cfg.text_dim if host == 'wan' else cfg.joint_attention_dim
+        text_dim = getattr(cfg, {'wan': 'text_dim', 'hunyuan_video': 'text_embed_dim',
+                                 'ltx_video': 'caption_channels'}.get(host, 'joint_attention_dim'))
         pooled = getattr(cfg, 'pooled_projection_dim', None) or 1
         g = torch.Generator().manual_seed(1234)
         self.register_buffer('text', torch.randn(classes, text_tokens, text_dim, generator=g))
         self.register_buffer('pooled', torch.randn(classes, pooled, generator=g))
-        train_grid = (frames, grid, grid) if host == 'wan' else (grid, grid)
+        train_grid = (frames, grid, grid) if host in VIDEO else (grid, grid)
         self.patch = patch_dit(self.transformer, pe, train_grid=train_grid, scaling=scaling)
 
     @property
     def latent_patch(self) -> int:
         """Latent pixels per token side: what the transformer's own patch embedding takes (FLUX and
         QwenImage take packed tokens)."""
-        return 2 if self.host in ('sd3', 'wan') else 1
+        return 2 if self.host in ('sd3', 'wan', 'hunyuan_video') else 1
 
     @property
     def channels(self) -> int:
@@ -189,6 +200,17 @@ class DiTModel(nn.Module):
         if self.host == 'sd3':
             return tr(hidden_states=latents, encoder_hidden_states=text, pooled_projections=pooled,
                       timestep=1000 * t).sample
+        if self.host == 'ltx_video':  # packed tokens, the pipeline's VAE compression as its rope scale
+            b, c, f, h, w = latents.shape
+            mask = torch.ones(text.shape[:2], device=latents.device)
+            out = tr(hidden_states=latents.flatten(2).transpose(1, 2), encoder_hidden_states=text, timestep=1000 * t,
+                     encoder_attention_mask=mask, num_frames=f, height=h, width=w,
+                     rope_interpolation_scale=(8 / 25, 32, 32)).sample
+            return out.transpose(1, 2).reshape(b, c, f, h, w)
+        if self.host == 'hunyuan_video':
+            mask = torch.ones(text.shape[:2], device=latents.device)
+            return tr(hidden_states=latents, timestep=1000 * t, encoder_hidden_states=text, encoder_attention_mask=mask,
+                      pooled_projections=pooled).sample
         return tr(hidden_states=latents, timestep=1000 * t, encoder_hidden_states=text).sample
 
 
@@ -239,8 +261,8 @@ class DiTTask(Task):
         d = self.cfg.data
         channels = TINY_HOSTS[self.cfg.model.host][1]['in_channels']
         channels = self.cfg.model.kwargs.get('in_channels', channels)
-        patch = 2 if self.cfg.model.host in ('sd3', 'wan') else 1
-        frames = d.frames if self.cfg.model.host == 'wan' else None
+        patch = 2 if self.cfg.model.host in ('sd3', 'wan', 'hunyuan_video') else 1
+        frames = d.frames if self.cfg.model.host in VIDEO else None
         return _Scenes(first, count, d.seed, d.classes, channels, grid * patch, frames)
 
     def train_dataset(self) -> Dataset:
