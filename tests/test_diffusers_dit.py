@@ -346,3 +346,24 @@ def test_vispe_processors_follow_the_installed_hosts_processors(kind):
             got = processor(attn, x, **kw)
         for a, b in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
             torch.testing.assert_close(b, a, rtol=0, atol=2e-6, msg=lambda m: f'{kind} {type(attn).__name__}: {m}')
+
+
+@pytest.mark.parametrize('kind', ['flux', 'qwenimage', 'wan'])
+def test_gradient_checkpointing_passes_the_state_positionally_and_gives_the_same_gradients(kind):
+    """With gradient checkpointing diffusers calls each block positionally: the first block's hook still
+    finds the image tokens and the state, and the loss and the encoding's gradients are unchanged."""
+    def step(checkpointing):
+        model = build(kind).train()
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        handle = patch_dit(model, 'rope_mixed+learned', train_grid=NATIVE[kind])
+        torch.manual_seed(3)
+        handle.encoding.reset_parameters()
+        loss = forward(model, inputs(kind, NATIVE[kind])).pow(2).mean()
+        loss.backward()
+        return loss.detach(), [p.grad for p in handle.encoding.parameters()]
+    loss, grads = step(False)
+    loss_ckpt, grads_ckpt = step(True)
+    torch.testing.assert_close(loss_ckpt, loss, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads_ckpt, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
