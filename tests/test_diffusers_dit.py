@@ -367,3 +367,20 @@ def test_gradient_checkpointing_passes_the_state_positionally_and_gives_the_same
     torch.testing.assert_close(loss_ckpt, loss, rtol=1e-6, atol=1e-6)
     for a, b in zip(grads_ckpt, grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kind', HOSTS)
+@pytest.mark.parametrize('pe', [None, 'rope_axial'])
+def test_every_patched_host_compiles_to_one_graph(kind, pe):
+    """fullgraph=True for every host with its own encoding and, except FLUX (whose grid is read from the
+    values of its ids), with a vispe encoding."""
+    if kind == 'flux' and pe is not None:
+        pytest.skip('FLUX hands its positions as id values: a vispe encoding reads the grid from them')
+    model = build(kind)
+    kw = inputs(kind, NATIVE[kind])
+    with patch_dit(model, pe), torch.no_grad():
+        want = forward(model, kw)
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True, backend='eager')(**kw).sample
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
