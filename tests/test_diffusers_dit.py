@@ -384,3 +384,28 @@ def test_every_patched_host_compiles_to_one_graph(kind, pe):
         torch._dynamo.reset()
         got = torch.compile(model, fullgraph=True, backend='eager')(**kw).sample
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_flux_pipeline_calls_the_patched_transformer_and_hands_its_steps_to_the_schedule():
+    """A FluxPipeline (tiny VAE, text embeddings given, no text encoders) with the patched transformer: the
+    own encoding gives the unpatched images, and a schedule sees each denoising step's noise level."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=1, block_out_channels=(8,), layers_per_block=1,
+                        down_block_types=('DownEncoderBlock2D',), up_block_types=('UpDecoderBlock2D',),
+                        norm_num_groups=4, shift_factor=0.0)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                        text_encoder_2=None, tokenizer_2=None, transformer=build('flux'))
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        return pipe(prompt_embeds=torch.ones(1, 3, 8), pooled_prompt_embeds=torch.ones(1, 8), height=16, width=16,
+                    num_inference_steps=3, output_type='pt', generator=torch.Generator().manual_seed(0)).images
+    want = generate()
+    with patch_dit(pipe.transformer):
+        torch.testing.assert_close(generate(), want, rtol=0, atol=1e-6)
+    seen = []
+    with patch_dit(pipe.transformer, schedule=lambda t, axis: seen.append(t) or 'yarn', train_grid=(4, 4)):
+        scaled_images = generate()
+    assert not torch.allclose(scaled_images, want)
+    steps = (pipe.scheduler.timesteps / 1000).tolist()
+    assert seen == pytest.approx([t for t in steps for _ in ('h', 'w')], abs=1e-6)
