@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = ('scipy', 'pycocotools', 'matplotlib', 'sklearn', 'open_clip', 'transformers', 'tensorboard', 'lightning',
-            'accelerate')
+            'accelerate', 'diffusers')
 
 SCRIPT = textwrap.dedent('''
     import importlib, pkgutil, sys
@@ -54,8 +54,12 @@ SCRIPT = textwrap.dedent('''
         from vispe.integrations import patch_detr
         patch_detr(None, 'detr_sine')
 
+    def dit():
+        from vispe.integrations import patch_dit
+        patch_dit(None)
+
     for name, call in [('detection_data', detection_data), ('matching', matching), ('plot', plot),
-                       ('digits', digits), ('open_clip', open_clip), ('hf_detr', hf_detr)]:
+                       ('digits', digits), ('open_clip', open_clip), ('hf_detr', hf_detr), ('dit', dit)]:
         print(name, '|', message(call))
 ''')
 
@@ -78,4 +82,6 @@ def test_core_imports_and_each_optional_import_names_its_extra():
                      'pip install "vispe[open_clip]" (or pip install "open_clip_torch>=3.3,<4")',
         'hf_detr': 'patch_detr needs transformers, which is not installed: pip install "vispe[transformers]" '
                    '(or pip install "transformers>=5.25,<6")',
+        'dit': 'patch_dit needs diffusers, which is not installed: pip install "vispe[diffusers]" '
+               '(or pip install "diffusers>=0.42,<0.43")',
     }

@@ -20,7 +20,7 @@ from torch import nn
 from ..positions import GridMode, Positions, grid_coordinates
 from ..registry import register_pe
 from ..rotary import RotationPE, axial_frequencies, rotate_qk, rotation_table, scale_frequencies
-from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling, mixed_axis_angles, riflex_frequencies
+from ..rotary.frequencies import FREQUENCY_SCALING, FrequencyScaling, mixed_axis_angles, scale_axis_frequencies
 from .._dtypes import compute_dtype
 from ..rotary.kernels import PairLayout, pad_identity
 from ._checks import check_nonnegative, check_positive
@@ -176,10 +176,8 @@ class RopeAxial(PairRotaryPE):
         freqs, mags = [], []
         for a in range(num_axes):
             factor, train_len = _axis_factor(grid, train_grid, a, self.scaling_factor)
-            if self.scaling == 'riflex' and self.riflex_repetition is not None and factor > 1:
-                f, mag = riflex_frequencies(base, factor * train_len, self.riflex_repetition), 1.0
-            else:
-                f, mag = scale_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas)
+            f, mag = scale_axis_frequencies(base, factor, self.scaling, train_len, *self.yarn_betas,
+                                            riflex_repetition=self.riflex_repetition)
             freqs.append(f)
             mags.append(torch.full_like(f, mag))
         return torch.stack(freqs), torch.stack(mags)

@@ -13,14 +13,20 @@ A patched model deep-copies and pickles. ``pe=None`` is the model's own encoding
 * `patch_vision` (`vispe.integrations.transformers_vision`): any encoding in transformers' ViT, DeiT, DINOv2,
   DINOv3-ViT, SigLIP, SigLIP 2 (NaFlex), CLIP and Idefics3 / SmolVLM vision encoders, alone or inside a model
   that holds one.
+* `patch_dit` (`vispe.integrations.diffusers`): diffusers' FLUX, SD3, QwenImage, Wan, HunyuanVideo and
+  LTX-Video transformers:
+  their own encoding computed by vispe (with training-free frequency scaling for larger grids and longer
+  videos) or any vispe rotary / additive encoding.
 * `use_pe` (`vispe.integrations.open_clip`): any encoding in an open_clip CLIP model's timm image tower.
 """
 from .base import AlreadyPatchedError, ModelPatch, UnsupportedModelError, find_patch
+from .diffusers import DiTPatch, patch_dit
 from .open_clip import OpenClipPE, use_pe
 from .transformers_detr import DetrPatch, patch_detr
 from .transformers_vision import VisionPatch, patch_vision
 from .transformers_vlm import SUPPORTED_MODEL_TYPES, SUPPORTED_TRANSFORMERS, VLMPatch, patch_vlm
 
 __all__ = ['ModelPatch', 'AlreadyPatchedError', 'UnsupportedModelError', 'find_patch',
-           'patch_vlm', 'VLMPatch', 'patch_detr', 'DetrPatch', 'patch_vision', 'VisionPatch', 'use_pe', 'OpenClipPE',
+           'patch_vlm', 'VLMPatch', 'patch_detr', 'DetrPatch', 'patch_vision', 'VisionPatch', 'patch_dit', 'DiTPatch',
+           'use_pe', 'OpenClipPE',
            'SUPPORTED_MODEL_TYPES', 'SUPPORTED_TRANSFORMERS']

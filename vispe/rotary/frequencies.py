@@ -7,7 +7,10 @@ same geometric table. Frequencies are float32 unless a dtype is asked for.
 
 Scaling for inputs longer than in training is a table of named functions (as transformers'
 ``ROPE_INIT_FUNCTIONS``), `FREQUENCY_SCALING`, each ``(freqs, factor, train_length, betas) ->
-(freqs, magnitude)``; `scale_frequencies` looks the name up and names the valid ones otherwise.
+(freqs, magnitude)``; `scale_frequencies` looks the name up and names the valid ones otherwise, and
+`scale_axis_frequencies` is the one call every axial table makes per coordinate axis (the table's
+options, RIFLEx's repetition length included). The same entries serve ViTs, vision towers and the
+diffusion transformers of `vispe.integrations.patch_dit` (whose scaling may change with the timestep).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Callable, Dict, Literal, Optional, Tuple
 import torch
 
 __all__ = ['FrequencyScaling', 'FREQUENCY_SCALING', 'RIFLEX_MARGIN', 'axial_frequencies', 'mixed_axis_angles',
-           'riflex_frequencies', 'scale_frequencies']
+           'riflex_frequencies', 'scale_frequencies', 'scale_axis_frequencies']
 
 FrequencyScaling = Literal['none', 'linear', 'ntk', 'yarn', 'riflex']
 Betas = Tuple[float, float]
@@ -124,3 +127,20 @@ def scale_frequencies(
     if method == 'none' or factor <= 1.0:  # 'none' first: a traced (symbolic) factor is then never compared
         return freqs, 1.0
     return FREQUENCY_SCALING[method](freqs, factor, train_length, (yarn_beta_fast, yarn_beta_slow))
+
+
+def scale_axis_frequencies(
+        freqs: torch.Tensor,
+        factor: float,
+        method: FrequencyScaling,
+        train_length: float,
+        yarn_beta_fast: float = 32.0,
+        yarn_beta_slow: float = 1.0,
+        riflex_repetition: Optional[float] = None,
+) -> Tuple[torch.Tensor, float]:
+    """One coordinate axis' frequencies for an axis ``factor`` times its training length ``train_length``:
+    `scale_frequencies`, except that RIFLEx with a ``riflex_repetition`` (the length after which the trained
+    model repeats itself) takes the intrinsic frequency nearest that length rather than the training length."""
+    if method == 'riflex' and riflex_repetition is not None and factor > 1.0:
+        return riflex_frequencies(freqs, factor * train_length, riflex_repetition), 1.0
+    return scale_frequencies(freqs, factor, method, train_length, yarn_beta_fast, yarn_beta_slow)
