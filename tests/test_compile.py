@@ -40,7 +40,7 @@ BLOCK_ROTATIONS = ['comrope_ap:block=4', 'comrope_ld:block=4']
 COMPOSITIONS = ['rope_mixed+learned', 'rope_axial+learned', 'irpe+learned', 'sincos+rope_axial', 'detr_sine+irpe',
                 'detr_sine+irpe:on=k', 'irpe+pape', 'pape+irpe', 'learned+rope_timm:rope_type=cat',
                 'learned+rope_timm:rope_type=mixed', 'rope_golden+peg', 'learned+rope_spiral', 'detr_sine+rope_mixed',
-                'learned+irpe', 'rope2d+peg']
+                'learned+irpe', 'rope2d+peg', 'rope_mixed+peg']
 ALL = image_pes() + BLOCK_ROTATIONS + COMPOSITIONS
 CAMERA = [p for p in vispe.list_pes() if 'cameras' in vispe.pe_info(p)['cls'].requires]
 
