@@ -306,8 +306,8 @@ def test_patched_models_pass():
 
 def _encoding_model(spec):
     cls = vispe.pe_info(spec)['cls']
-    if cls.requires:  # cameras: no image ViT hosts it; the encoding alone
-        return vispe.create_pe(spec, dim=32, num_heads=2, depth=2, grid_size=(4, 4), num_prefix_tokens=1)
+    if cls.requires:  # cameras, multimodal segments: no image ViT hosts it; the encoding alone (mhrope: 3+ heads)
+        return vispe.create_pe(spec, dim=64, num_heads=4, depth=2, grid_size=(4, 4), num_prefix_tokens=1)
     torch.manual_seed(0)
     return timm.create_model('vit_tiny', pe=spec, **TINY).eval()
 
@@ -400,3 +400,26 @@ def test_command_line_exit_code_says_whether_a_check_failed(monkeypatch, capsys,
     with pytest.raises(SystemExit):
         main()
     assert '--markdown' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('kind, pe', [('vit', 'rope_mixed'), ('siglip2', 'liere'), ('dinov3', None)])
+def test_models_patched_by_patch_vision_pass(kind, pe):
+    from vispe.integrations import find_patch, patch_vision
+    model = hf_vision(kind)
+    patch_vision(model, pe)
+    report = doctor(model, progress=False)
+    assert report.ok, str(report)
+    name = find_patch(model).encoding.name
+    assert any(name in r.subject and r.check == 'moves_output' for r in report.passed)
+
+
+@pytest.mark.parametrize('pe', [None, 'rope_axial'])
+def test_transformers_patched_by_patch_dit_pass(pe):
+    from vispe.integrations import find_patch, patch_dit
+    model = flux()
+    patch_dit(model, pe)
+    report = doctor(model, flux_inputs(4, 4), progress=False)
+    assert report.ok, str(report)
+    if pe is not None:
+        assert any(pe in r.subject for r in report.passed)
+    find_patch(model).remove()

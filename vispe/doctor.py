@@ -161,8 +161,11 @@ for _name in ('patch_detr', 'patch_vision', 'patch_dit'):
 
 
 def _named(model: nn.Module, cls_names: Sequence[str]) -> Iterator[Tuple[str, nn.Module]]:
+    """The modules of these classes whose own forward still runs (a vispe patch that replaced a module's
+    forward is checked through the encoding it installed, not through the module it bypasses)."""
+    patch = find_patch(model)
     for name, m in model.named_modules():
-        if type(m).__name__ in cls_names:
+        if type(m).__name__ in cls_names and not (patch is not None and patch.replaces_forward(m)):
             yield name or type(m).__name__, m
 
 

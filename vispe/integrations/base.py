@@ -162,6 +162,11 @@ class ModelPatch:
         self._hooks, self._saved, self._marked = [], [], []
         self._active = False
 
+    def replaces_forward(self, module: nn.Module) -> bool:
+        """Whether this patch replaced ``module``'s ``forward`` (the module's own computation no longer runs:
+        a checker of the model looks at the encoding the patch installed instead)."""
+        return self._active and any(owner is module and name == 'forward' for owner, name, _, _ in self._saved)
+
     @property
     def active(self) -> bool:
         return self._active
