@@ -30,44 +30,48 @@ from vispe.integrations import patch_dit  # noqa: E402
 TEXT = 32
 
 
-def build(host: str, layers: int, heads: int) -> torch.nn.Module:
+def build(host: str, layers: int, heads: int, head_dim: int = 64) -> torch.nn.Module:
+    """A random ``host`` transformer of ``heads x head_dim`` attention; the rope axes split the head dim as
+    the released models do (FLUX and QwenImage 16 / 56 / 56 of 128, HunyuanVideo's time axis 16)."""
     import diffusers
-    dim = 64 * heads
+    dim = head_dim * heads
+    flux_axes = (head_dim // 8, 7 * head_dim // 16, 7 * head_dim // 16)
     if host == 'flux':
         return diffusers.FluxTransformer2DModel(in_channels=64, num_layers=layers // 2 or 1,
-                                                num_single_layers=layers - layers // 2, attention_head_dim=64,
+                                                num_single_layers=layers - layers // 2, attention_head_dim=head_dim,
                                                 num_attention_heads=heads, joint_attention_dim=dim,
-                                                pooled_projection_dim=dim, axes_dims_rope=(8, 28, 28))
+                                                pooled_projection_dim=dim, axes_dims_rope=flux_axes)
     if host == 'sd3':
         return diffusers.SD3Transformer2DModel(sample_size=64, patch_size=2, in_channels=16, num_layers=layers,
-                                               attention_head_dim=64, num_attention_heads=heads,
+                                               attention_head_dim=head_dim, num_attention_heads=heads,
                                                joint_attention_dim=dim, caption_projection_dim=dim,
                                                pooled_projection_dim=dim, out_channels=16, pos_embed_max_size=96)
     if host == 'qwenimage':
         return diffusers.QwenImageTransformer2DModel(in_channels=64, out_channels=16, num_layers=layers,
-                                                     attention_head_dim=64, num_attention_heads=heads,
-                                                     joint_attention_dim=dim, axes_dims_rope=(8, 28, 28))
+                                                     attention_head_dim=head_dim, num_attention_heads=heads,
+                                                     joint_attention_dim=dim, axes_dims_rope=flux_axes)
     if host == 'hunyuan_video':
         return diffusers.HunyuanVideoTransformer3DModel(in_channels=16, out_channels=16, num_attention_heads=heads,
-                                                        attention_head_dim=64, num_layers=layers // 2 or 1,
+                                                        attention_head_dim=head_dim, num_layers=layers // 2 or 1,
                                                         num_single_layers=layers - layers // 2, num_refiner_layers=1,
                                                         text_embed_dim=dim, pooled_projection_dim=dim,
-                                                        rope_axes_dim=(16, 24, 24))
+                                                        rope_axes_dim=(16, (head_dim - 16) // 2, (head_dim - 16) // 2))
     if host == 'ltx_video':
         return diffusers.LTXVideoTransformer3DModel(in_channels=64, out_channels=64, num_attention_heads=heads,
-                                                    attention_head_dim=64, cross_attention_dim=dim, num_layers=layers,
+                                                    attention_head_dim=head_dim, cross_attention_dim=dim, num_layers=layers,
                                                     caption_channels=dim)
-    return diffusers.WanTransformer3DModel(num_attention_heads=heads, attention_head_dim=64, in_channels=16,
+    return diffusers.WanTransformer3DModel(num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
                                            out_channels=16, text_dim=dim, freq_dim=64, ffn_dim=4 * dim,
                                            num_layers=layers)
 
 
-def inputs(host: str, model: torch.nn.Module, grid: int, device: torch.device) -> Dict[str, Any]:
+def inputs(host: str, model: torch.nn.Module, grid: int, device: torch.device,
+           dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     cfg = model.config
 
     def rand(*shape):
-        return torch.randn(*shape, generator=g).to(device)
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
     width = {'wan': 'text_dim', 'hunyuan_video': 'text_embed_dim', 'ltx_video': 'caption_channels'}
     text = rand(1, TEXT, getattr(cfg, width.get(host, 'joint_attention_dim')))
     if host == 'flux':
@@ -109,6 +113,8 @@ def main() -> None:
     parser.add_argument('--hosts', nargs='+', default=['flux', 'sd3', 'qwenimage', 'wan', 'hunyuan_video', 'ltx_video'])
     parser.add_argument('--layers', type=int, default=2)
     parser.add_argument('--heads', type=int, default=4)
+    parser.add_argument('--head-dim', type=int, default=64, help='128: the released FLUX / Wan / HunyuanVideo heads')
+    parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
     parser.add_argument('--grid', type=int, default=32, help='token grid side')
     parser.add_argument('--rounds', type=int, default=7)
     parser.add_argument('--quick', action='store_true', help='16 x 16 tokens, 5 rounds')
@@ -121,24 +127,25 @@ def main() -> None:
     if args.quick:
         args.grid, args.rounds = 16, 5
     device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
     clock = args.clock or ('wall' if device.type == 'cuda' else 'process')
     if clock == 'process':
         torch.set_num_threads(1)
-    print(f'diffusion transformers, {args.layers} layers, {args.heads} x 64 heads, {args.grid} x {args.grid} tokens '
+    print(f'diffusion transformers, {args.layers} layers, {args.heads} x {args.head_dim} heads, {args.dtype}, {args.grid} x {args.grid} tokens '
           f'+ {TEXT} text, batch 1, {device}, {clock} clock, torch {torch.__version__}')
     print(f'{"host":14s} {"variant":28s} {"ms":>9s} {"vs unpatched":>13s}')
     for host in args.hosts:
         torch.manual_seed(0)
-        models = {'unpatched': build(host, args.layers, args.heads).to(device).eval()}
+        models = {'unpatched': build(host, args.layers, args.heads, args.head_dim).to(device=device, dtype=dtype).eval()}
         half = args.grid // 2
         train = (4, half, half) if host in ('wan', 'hunyuan_video', 'ltx_video') else (half, half)
         for name, patch in (('own (patch_dit)', {}), ('own + yarn at 2x', dict(scaling='yarn', train_grid=train)),
                             ('rope_axial', dict(pe='rope_axial'))):
-            twin = build(host, args.layers, args.heads).to(device).eval()
+            twin = build(host, args.layers, args.heads, args.head_dim).to(device=device, dtype=dtype).eval()
             twin.load_state_dict(models['unpatched'].state_dict())
             patch_dit(twin, **patch)
             models[name] = twin
-        kw = inputs(host, models['unpatched'], args.grid, device)
+        kw = inputs(host, models['unpatched'], args.grid, device, dtype)
         fns = {name: runner(m, kw) for name, m in models.items()}
         if args.compile:
             compiled = compile_models({f'compiled {k}': models[k] for k in ('unpatched', 'own (patch_dit)')},

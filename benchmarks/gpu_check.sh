@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: run it first whenever a CUDA machine is at hand (about 8 minutes on one H200).
+# The prepared GPU check: run it first whenever a CUDA machine is at hand (about 9 minutes on one H200).
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR] [SECONDS]
 #
@@ -15,15 +15,20 @@
 #   fused_selfcheck.md  the cost of the fused kernels' first-launch check under 'auto' and
 #                  vispe.rotary.fused_report() (trusted / fell back and why / not tried per kind)
 #   bandwidth.md   the rotation alone on ViT-B q / k: fused, reference, compiled reference, Liger (GB/s)
+#   hosts.log      the adapters into other libraries on the GPU, each patched with the host's own encoding
+#                  against the unpatched host (goal: within 3 %): a ViT-L-size transformers ViT and DINOv3
+#                  (benchmarks/transformers_vision.py, bf16, batch 64) and FLUX-size diffusers blocks (24 x 128
+#                  heads, 4,096 image tokens; benchmarks/dit.py, bf16); they need transformers and diffusers
+#                  (carry their wheels and those of huggingface-hub, tokenizers, safetensors where missing)
 #   cuda_check.md  benchmarks/cuda_check.py: ViT-B/16 224 bf16, eager and compiled, batch 64 (and 256
 #                  within the time left), ratios against pe='none', memory, attention backend
-# SECONDS (default 450) is the whole run's budget; cuda_check.py gets what the first stages leave.
+# SECONDS (default 540) is the whole run's budget; cuda_check.py gets what the first stages leave.
 # GPU_CHECK_DEVICE=cpu smoke-tests this script on a machine without a GPU (tiny shapes, Triton's
 # interpreter, the cuda tests skipped).
 set -u
 OUT_DIR=${1:?usage: gpu_check.sh OUT_DIR [WHEEL_DIR] [SECONDS]}
 WHEEL_DIR=${2:-wheels}
-TOTAL=${3:-450}
+TOTAL=${3:-540}
 START=$(date +%s)
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
@@ -37,6 +42,8 @@ if [ "$DEVICE" = cpu ]; then  # tiny shapes: the plumbing, not the figures
     PES=rope_mixed,liere
     PYTEST_ARGS=(-k 'cuda or auto')
     SELFCHECK_ARGS=(--batch 1 --heads 2 --tokens 17 --head-dim 16 --rounds 1)
+    VISION_ARGS=(--width 128 --depth 1 --img 32 --batch 2 --rounds 1 --pes)
+    DIT_ARGS=(--hosts flux --layers 2 --heads 2 --head-dim 32 --grid 8 --rounds 1)
 else
     NUMERICS_ARGS=()
     BANDWIDTH_ARGS=()
@@ -46,6 +53,8 @@ else
     PES=$PES,comrope_ld,string_circulant,gta,pape_ri,swin_rpb,alibi2d,rope_timm,prope,gta_multiview
     PYTEST_ARGS=(-n 8)
     SELFCHECK_ARGS=()
+    VISION_ARGS=(--width 1024 --depth 4 --batch 64 --dtype bfloat16 --pes rope_mixed liere)
+    DIT_ARGS=(--hosts flux wan --layers 2 --heads 24 --head-dim 128 --grid 64 --dtype bfloat16 --compile)
 fi
 
 say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
@@ -74,7 +83,7 @@ fi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
     $PY - <<'EOF' 2>&1
 import importlib.metadata as m, platform, torch
-names = ['torch', 'triton', 'timm', 'transformers', 'liger-kernel']
+names = ['torch', 'triton', 'timm', 'transformers', 'diffusers', 'liger-kernel']
 def ver(n):
     try:
         return m.version(n)
@@ -106,6 +115,13 @@ run_stage 'numerics table' 90 '' $PY benchmarks/fused_numerics.py --device "$DEV
     --out "$OUT_DIR/numerics.md"
 run_stage 'rotation bandwidth' 120 '' $PY benchmarks/rotation_bandwidth.py --device "$DEVICE" "${BANDWIDTH_ARGS[@]}" \
     --out "$OUT_DIR/bandwidth.md"
+
+run_stage 'transformers vision towers: own encoding vs unpatched' 60 "$OUT_DIR/hosts.log" \
+    $PY benchmarks/transformers_vision.py --device "$DEVICE" "${VISION_ARGS[@]}"
+run_stage 'transformers DINOv3 rope: own encoding vs unpatched' 40 "$OUT_DIR/hosts.log" \
+    $PY benchmarks/transformers_vision.py --family dinov3 --device "$DEVICE" "${VISION_ARGS[@]}"
+run_stage 'diffusion transformers: own encoding vs unpatched' 90 "$OUT_DIR/hosts.log" \
+    $PY benchmarks/dit.py --device "$DEVICE" "${DIT_ARGS[@]}"
 
 left=$(( TOTAL - ($(date +%s) - START) - 15 ))
 if [ $left -gt 60 ]; then

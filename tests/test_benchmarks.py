@@ -173,9 +173,13 @@ def test_rotation_bandwidth_times_every_kind_and_path(tmp_path):
 def test_gpu_check_runs_its_stages_on_the_cpu(tmp_path):
     import subprocess
     import sys
-    subprocess.run(['bash', 'benchmarks/gpu_check.sh', str(tmp_path), str(tmp_path / 'no_wheels'), '400'], check=True,
+    subprocess.run(['bash', 'benchmarks/gpu_check.sh', str(tmp_path), str(tmp_path / 'no_wheels'), '600'], check=True,
                    env={**__import__('os').environ, 'GPU_CHECK_DEVICE': 'cpu', 'PYTHON': sys.executable}, timeout=900)
     log = (tmp_path / 'gpu_check.log').read_text()
-    for stage in ('fused kernels on CUDA (pytest)', 'numerics table', 'rotation bandwidth', 'cuda_check'):
+    for stage in ('fused kernels on CUDA (pytest)', 'numerics table', 'rotation bandwidth',
+                  'transformers vision towers: own encoding vs unpatched',
+                  'transformers DINOv3 rope: own encoding vs unpatched',
+                  'diffusion transformers: own encoding vs unpatched', 'cuda_check'):
         assert f'== {stage}: exit 0' in log
-    assert {p.name for p in tmp_path.iterdir()} >= {'numerics.md', 'bandwidth.md', 'cuda_check.md', 'pytest.log'}
+    assert {p.name for p in tmp_path.iterdir()} >= {'numerics.md', 'bandwidth.md', 'cuda_check.md', 'pytest.log',
+                                                     'hosts.log'}
