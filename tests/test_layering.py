@@ -13,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # The first matching prefix gives a module's layer.
 VISPE_LAYERS: List[Tuple[str, ...]] = [
     ('vispe._dtypes', 'vispe._tracing', 'vispe.options', 'vispe._timm', 'vispe.extras'),  # no vispe imports
+    ('vispe._cache',),  # tensors reused across forwards, never while traced
+    # the rotation kernels: pure tensor maths below the contract (vispe.rotary.base, the rotation encodings'
+    # base class, sits above it with the registry)
+    ('vispe.rotary.kernels', 'vispe.rotary.autograd', 'vispe.rotary.expm', 'vispe.rotary.fused', 'vispe.rotary.trust',
+     'vispe.rotary.frequencies'),
     ('vispe.cameras',),
     ('vispe.positions',),
     ('vispe._compiled_state',),  # the contract's cache of costly states for compiled eval

@@ -17,15 +17,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager, Dict, FrozenSet, Hashable, List, Optional, Sequence, \
-    Tuple, TypeVar, Union
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
 
+from ._cache import TensorCache
 from ._compiled_state import compiled_eval_state, register as register_compiled
+from ._dtypes import autocast_off
 from ._tracing import is_tracing
 from .options import check_arguments
 from .positions import Positions
@@ -487,17 +487,6 @@ def _honour_capabilities(hook: str, fn: Callable[..., Any]) -> Callable[..., Any
     return hook_method
 
 
-def autocast_off(device: torch.device) -> ContextManager:
-    """A region without autocast on ``device`` (float32 phases, exponentials, camera geometry), or no
-    change where autocast does not exist for the device type (meta tensors)."""
-    # the availability check is a C call that torch.compile of the oldest supported torch (2.11) cannot trace
-    # (a graph break under fullgraph; 2.14 traces it); a compiled graph runs on a real device, where autocast
-    # exists
-    if device.type != 'meta' and (torch.compiler.is_compiling() or torch.amp.is_autocast_available(device.type)):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
 M = TypeVar('M', bound=nn.Module)
 
 
@@ -711,38 +700,3 @@ class PreparedPE:
 def _same_tensors(a: tuple, b: tuple) -> bool:
     """Whether two (tensors, versions, inference mode) keys of the eval cache name the same tensors unchanged."""
     return (len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0]))) and a[1:] == b[1:]
-
-
-T = TypeVar('T')
-
-
-class TensorCache:
-    """Tensors an encoding reuses across forwards (a table per grid, bucket ids), least recently used
-    first out. Keys also carry whether inference mode is on (inference tensors cannot be saved for
-    backward); nothing is cached while traced (fake tensors). Owned by `PositionalEncoding` (its
-    ``tensor_cache``), cleared with its state cache."""
-
-    def __init__(self, size: int = 8) -> None:
-        self.size = size
-        self._entries: 'OrderedDict[Any, Any]' = OrderedDict()
-
-    def get(self, key: Hashable, build: Callable[[], T]) -> T:
-        """The cached value of ``key``, built by ``build()`` when missing."""
-        if is_tracing():
-            return build()
-        key = (key, torch.is_inference_mode_enabled())
-        value = self._entries.get(key)
-        if value is None:
-            value = build()
-            self._entries[key] = value
-            if len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(key)
-        return value
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Literal, NamedTuple, Optional, Sequence,
 import torch
 
 from .._tracing import is_tracing
-from ..contract import autocast_off
+from .._dtypes import autocast_off
 from . import fused, trust
 from .kernels import (
     PairRotation, apply_pair_rotation, block_rotation_grad_from_output, fourier_rotation, mixed_pair,

@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .._tracing import is_tracing
-from ..contract import TensorCache, autocast_off
+from .._cache import TensorCache
+from .._dtypes import autocast_off
 from .kernels import pad_identity
 
 __all__ = ['Rotations', 'axis_sum', 'expm_skew', 'layerwise_exp', 'linear_exp', 'skew', 'skew_from_upper']
