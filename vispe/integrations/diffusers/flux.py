@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ...attention import pe_attention
-from ...contract import PEContext, PositionalEncoding
+from ...contract import PositionalEncoding
 from ..base import UnsupportedModelError
 from .host import Host, axis_tables
 from .scaling import DiTScaling
@@ -166,6 +166,9 @@ class FluxHost(Host):
     classes = ('FluxTransformer2DModel',)
     axes = ('h', 'w')
     timestep_scale = 1.0  # the pipeline passes sigma in [0, 1]; the transformer multiplies by 1000
+    rope_attr = 'pos_embed'
+    block_lists = ('transformer_blocks', 'single_transformer_blocks')
+    processor = FluxProcessor
 
     def check(self, transformer):
         if not hasattr(transformer, 'pos_embed') or not hasattr(transformer.pos_embed, 'axes_dim'):
@@ -180,22 +183,7 @@ class FluxHost(Host):
     def pixels(self, transformer):
         return (lambda px: px // 16, lambda px: px // 16)
 
-    def context(self, transformer, train_grid):
-        cfg = transformer.config
-        depth = len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
-        return PEContext(dim=cfg.num_attention_heads * cfg.attention_head_dim, num_heads=cfg.num_attention_heads,
-                         head_dim=cfg.attention_head_dim, depth=depth, grid_size=train_grid)
-
-    def install(self, handle):
-        model = handle.model
-        rope = FluxRope(model.pos_embed.theta, model.pos_embed.axes_dim, handle.scaling, handle.encoding,
-                        handle.train_grid, handle.options.get('reference_layout'))
-        handle.set(model, 'pos_embed', rope, 'pos_embed')
-        handle.rope = rope
-        if handle.encoding is None:
-            return
-        blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-        for i, block in enumerate(blocks):
-            handle.set(block.attn, 'processor', FluxProcessor(i), f'block {i} attn.processor')
-        if handle.encoding.capabilities.additive and blocks:
-            handle.add_embedding_hook(blocks[0], 'hidden_states', 0, 'image_rotary_emb', 3)
+    def make_rope(self, handle):
+        own = handle.model.pos_embed
+        return FluxRope(own.theta, own.axes_dim, handle.scaling, handle.encoding, handle.train_grid,
+                        handle.options.get('reference_layout'))

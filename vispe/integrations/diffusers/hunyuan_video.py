@@ -8,16 +8,14 @@ columns are the scaled axes; RIFLEx was shown on this model (its temporal table:
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ...attention import pe_attention
-from ...contract import PEContext
 from ..base import UnsupportedModelError
-from .host import Host, axis_tables
+from .host import Host, axis_tables, interleaved_cos_sin
 from .state import DiTState, TimestepSlot, prepare_state
 
 __all__ = ['HunyuanVideoHost', 'HunyuanVideoRope', 'HunyuanVideoProcessor']
@@ -42,18 +40,8 @@ class HunyuanVideoRope(TimestepSlot):
         options = self.scaling.at(self.noise_level) if self.scaling.active else None
         axes = [torch.arange(n, device=device, dtype=torch.float32) for n in shape]
         lengths = dict(zip(('t', 'h', 'w'), map(float, shape)))
-        cos, sin = [], []
-        for i, (angles, mag) in enumerate(axis_tables(self.scaling, options, self.rope_dim, self.theta,
-                                                      ('t', 'h', 'w'), axes, lengths, torch.float32)):
-            c, s = angles.cos(), angles.sin()
-            if mag != 1.0:  # YaRN's temperature on q and k alike
-                c, s = c * mag, s * mag
-            view = [1, 1, 1, -1]
-            view[i] = shape[i]
-            cos.append(c.repeat_interleave(2, dim=1).float().view(*view).expand(*shape, -1))
-            sin.append(s.repeat_interleave(2, dim=1).float().view(*view).expand(*shape, -1))
-        n = math.prod(shape)
-        return torch.cat(cos, dim=-1).reshape(n, -1), torch.cat(sin, dim=-1).reshape(n, -1)
+        return interleaved_cos_sin(axis_tables(self.scaling, options, self.rope_dim, self.theta, ('t', 'h', 'w'),
+                                               axes, lengths, torch.float32), shape)
 
     def extra_repr(self) -> str:
         return f'rope_dim={self.rope_dim}, theta={self.theta}, scaling=({self.scaling.describe()})'
@@ -103,6 +91,9 @@ class HunyuanVideoProcessor:
 
 
 class HunyuanVideoHost(Host):
+    block_lists = ('transformer_blocks', 'single_transformer_blocks')
+    processor = HunyuanVideoProcessor
+    state_arg = ('image_rotary_emb', 4)
     label = 'HunyuanVideo'
     classes = ('HunyuanVideoTransformer3DModel',)
     axes = ('t', 'h', 'w')
@@ -122,22 +113,7 @@ class HunyuanVideoHost(Host):
         return (lambda f: ((f - 1) // 4 + 1) // cfg.patch_size_t, lambda px: px // (8 * cfg.patch_size),
                 lambda px: px // (8 * cfg.patch_size))
 
-    def context(self, transformer, train_grid):
-        cfg = transformer.config
-        depth = len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
-        return PEContext(dim=cfg.num_attention_heads * cfg.attention_head_dim, num_heads=cfg.num_attention_heads,
-                         head_dim=cfg.attention_head_dim, depth=depth, grid_size=train_grid)
-
-    def install(self, handle):
-        model, own = handle.model, handle.model.rope
-        rope = HunyuanVideoRope(own.patch_size, own.patch_size_t, own.rope_dim, own.theta, handle.scaling,
+    def make_rope(self, handle):
+        own = handle.model.rope
+        return HunyuanVideoRope(own.patch_size, own.patch_size_t, own.rope_dim, own.theta, handle.scaling,
                                 handle.encoding, handle.train_grid)
-        handle.set(model, 'rope', rope, 'rope')
-        handle.rope = rope
-        if handle.encoding is None:
-            return
-        blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-        for i, block in enumerate(blocks):
-            handle.set(block.attn, 'processor', HunyuanVideoProcessor(i), f'block {i} attn.processor')
-        if handle.encoding.capabilities.additive and blocks:
-            handle.add_embedding_hook(blocks[0], 'hidden_states', 0, 'image_rotary_emb', 4)

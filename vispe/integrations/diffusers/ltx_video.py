@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from ...attention import pe_attention
-from ...contract import PEContext
 from ..base import UnsupportedModelError
 from .host import Host
 from .state import DiTState, TimestepSlot, prepare_state
@@ -125,6 +124,8 @@ class LTXVideoProcessor:
 
 
 class LTXVideoHost(Host):
+    attention = 'attn1'
+    processor = LTXVideoProcessor
     label = 'LTX-Video'
     classes = ('LTXVideoTransformer3DModel',)
     axes = ('t', 'h', 'w')
@@ -144,22 +145,8 @@ class LTXVideoHost(Host):
         return (lambda f: ((f - 1) // 8 + 1) // cfg.patch_size_t, lambda px: px // (32 * cfg.patch_size),
                 lambda px: px // (32 * cfg.patch_size))
 
-    def context(self, transformer, train_grid):
-        cfg = transformer.config
-        return PEContext(dim=cfg.num_attention_heads * cfg.attention_head_dim, num_heads=cfg.num_attention_heads,
-                         head_dim=cfg.attention_head_dim, depth=len(transformer.transformer_blocks),
-                         grid_size=train_grid)
-
-    def install(self, handle):
-        model, own = handle.model, handle.model.rope
-        rope = LTXVideoRope(own.dim, (own.base_num_frames, own.base_height, own.base_width),
+    def make_rope(self, handle):
+        own = handle.model.rope
+        return LTXVideoRope(own.dim, (own.base_num_frames, own.base_height, own.base_width),
                             (own.patch_size_t, own.patch_size, own.patch_size), own.theta, handle.scaling,
                             handle.encoding, handle.train_grid)
-        handle.set(model, 'rope', rope, 'rope')
-        handle.rope = rope
-        if handle.encoding is None:
-            return
-        for i, block in enumerate(model.transformer_blocks):
-            handle.set(block.attn1, 'processor', LTXVideoProcessor(i), f'transformer_blocks.{i}.attn1.processor')
-        if handle.encoding.capabilities.additive and len(model.transformer_blocks):
-            handle.add_embedding_hook(model.transformer_blocks[0], 'hidden_states', 0, 'image_rotary_emb', 3)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ...attention import pe_attention
-from ...contract import PEContext, PositionalEncoding
+from ...contract import PositionalEncoding
 from ..base import UnsupportedModelError
 from .host import Host, axis_tables
 from .scaling import DiTScaling
@@ -133,6 +133,9 @@ class QwenImageProcessor:
 
 
 class QwenImageHost(Host):
+    rope_attr = 'pos_embed'
+    processor = QwenImageProcessor
+    state_arg = ('image_rotary_emb', 4)
     label = 'QwenImage'
     classes = ('QwenImageTransformer2DModel',)
     axes = ('h', 'w')
@@ -152,21 +155,7 @@ class QwenImageHost(Host):
     def pixels(self, transformer):
         return (lambda px: px // 16, lambda px: px // 16)
 
-    def context(self, transformer, train_grid):
-        cfg = transformer.config
-        return PEContext(dim=cfg.num_attention_heads * cfg.attention_head_dim, num_heads=cfg.num_attention_heads,
-                         head_dim=cfg.attention_head_dim, depth=len(transformer.transformer_blocks),
-                         grid_size=train_grid)
-
-    def install(self, handle):
-        model, own = handle.model, handle.model.pos_embed
-        rope = QwenImageRope(own.theta, own.axes_dim, own.scale_rope, handle.scaling, handle.encoding,
+    def make_rope(self, handle):
+        own = handle.model.pos_embed
+        return QwenImageRope(own.theta, own.axes_dim, own.scale_rope, handle.scaling, handle.encoding,
                              handle.train_grid, handle.options['text_layout'])
-        handle.set(model, 'pos_embed', rope, 'pos_embed')
-        handle.rope = rope
-        if handle.encoding is None:
-            return
-        for i, block in enumerate(model.transformer_blocks):
-            handle.set(block.attn, 'processor', QwenImageProcessor(i), f'transformer_blocks.{i}.attn.processor')
-        if handle.encoding.capabilities.additive and len(model.transformer_blocks):
-            handle.add_embedding_hook(model.transformer_blocks[0], 'hidden_states', 0, 'image_rotary_emb', 4)

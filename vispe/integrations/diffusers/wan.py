@@ -11,16 +11,15 @@ only the self-attention (``attn1``) of each block sees positions.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ...attention import pe_attention
-from ...contract import PEContext, PositionalEncoding
+from ...contract import PositionalEncoding
 from ..base import UnsupportedModelError
-from .host import Host, axis_tables
+from .host import Host, axis_tables, interleaved_cos_sin
 from .scaling import DiTScaling
 from .state import DiTState, TimestepSlot, prepare_state
 
@@ -48,18 +47,9 @@ class WanRope(TimestepSlot):
         dtype = torch.float32 if torch.backends.mps.is_available() else torch.float64  # as the host builds its table
         axes = [torch.arange(n, device=device, dtype=dtype) for n in shape]
         lengths = dict(zip(('t', 'h', 'w'), map(float, shape)))
-        cos, sin = [], []
-        for i, (angles, mag) in enumerate(axis_tables(self.scaling, options, self.dims, self.theta, ('t', 'h', 'w'),
-                                                      axes, lengths, dtype)):
-            c, s = angles.cos(), angles.sin()
-            if mag != 1.0:  # YaRN's temperature on q and k alike
-                c, s = c * mag, s * mag
-            view = [1, 1, 1, -1]
-            view[i] = shape[i]
-            cos.append(c.repeat_interleave(2, dim=1).float().view(*view).expand(*shape, -1))
-            sin.append(s.repeat_interleave(2, dim=1).float().view(*view).expand(*shape, -1))
-        n = math.prod(shape)
-        return torch.cat(cos, dim=-1).reshape(1, n, 1, -1), torch.cat(sin, dim=-1).reshape(1, n, 1, -1)
+        cos, sin = interleaved_cos_sin(axis_tables(self.scaling, options, self.dims, self.theta, ('t', 'h', 'w'),
+                                                   axes, lengths, dtype), shape)
+        return cos[None, :, None], sin[None, :, None]
 
     def extra_repr(self) -> str:
         return f'dims={self.dims}, theta={self.theta}, scaling=({self.scaling.describe()})'
@@ -88,6 +78,10 @@ class WanProcessor:
 
 
 class WanHost(Host):
+    block_lists = ('blocks',)
+    attention = 'attn1'
+    processor = WanProcessor
+    state_arg = ('rotary_emb', 3)
     label = 'Wan'
     classes = ('WanTransformer3DModel',)
     axes = ('t', 'h', 'w')
@@ -108,20 +102,7 @@ class WanHost(Host):
         p_t, p_h, p_w = transformer.config.patch_size
         return (lambda f: ((f - 1) // 4 + 1) // p_t, lambda px: px // (8 * p_h), lambda px: px // (8 * p_w))
 
-    def context(self, transformer, train_grid):
-        cfg = transformer.config
-        return PEContext(dim=cfg.num_attention_heads * cfg.attention_head_dim, num_heads=cfg.num_attention_heads,
-                         head_dim=cfg.attention_head_dim, depth=len(transformer.blocks), grid_size=train_grid)
-
-    def install(self, handle):
-        model, own = handle.model, handle.model.rope
-        rope = WanRope((own.t_dim, own.h_dim, own.w_dim), tuple(own.patch_size), 10000.0, handle.scaling,
+    def make_rope(self, handle):
+        own = handle.model.rope
+        return WanRope((own.t_dim, own.h_dim, own.w_dim), tuple(own.patch_size), 10000.0, handle.scaling,
                        handle.encoding, handle.train_grid)
-        handle.set(model, 'rope', rope, 'rope')
-        handle.rope = rope
-        if handle.encoding is None:
-            return
-        for i, block in enumerate(model.blocks):
-            handle.set(block.attn1, 'processor', WanProcessor(i), f'blocks.{i}.attn1.processor')
-        if handle.encoding.capabilities.additive and len(model.blocks):
-            handle.add_embedding_hook(model.blocks[0], 'hidden_states', 0, 'rotary_emb', 3)
