@@ -5,6 +5,7 @@ The models get larger attention projections and position tables than transformer
 for DeiT's table), so that positions visibly change the outputs and a parity test can fail."""
 from __future__ import annotations
 
+import importlib
 from typing import Dict, Tuple
 
 import torch
@@ -61,7 +62,10 @@ def sharpen(model: nn.Module, seed: int = 1) -> nn.Module:
             leaf = name.rsplit('.', 2)[-2:]
             if leaf[0] in ('q_proj', 'k_proj') and leaf[1] == 'weight':
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-            elif 'position_embedding' in name:
+            elif leaf == ['qkv', 'weight'] and '.attn.' in name:  # Qwen-VL's fused projection: its q and k rows
+                qk = 2 * p.shape[0] // 3
+                p[:qk].copy_(torch.randn(qk, p.shape[1], generator=g) * 0.3)
+            elif 'position_embedding' in name or name.endswith('visual.pos_embed.weight') or name == 'pos_embed.weight':
                 p.copy_(torch.randn(p.shape, generator=g))
     return model
 
@@ -113,3 +117,46 @@ def host_kwargs(kind: str, size: Tuple[int, int]) -> Dict[str, bool]:
     if kind in ('vit', 'deit', 'siglip', 'clip') and size != NATIVE:
         return dict(interpolate_pos_encoding=True)
     return {}
+
+
+# ------------------------------------------------------------------ packed towers (Qwen-VL): one sequence of images
+QWEN_PATCH = 8
+QWEN_FAMILIES = ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl')
+QWEN_NATIVE = (1, 4, 4)             # Qwen3-VL's table: 4 x 4
+QWEN_OTHER = (1, 6, 8)              # another size the 2 x 2 merge divides
+QWEN_PACKED = [(1, 4, 4), (1, 6, 4), (2, 2, 8), (1, 8, 6)]   # images of different sizes and a 2-frame video
+_QWEN = dict(depth=2, num_heads=2, patch_size=QWEN_PATCH, spatial_merge_size=2, temporal_patch_size=2)
+
+
+def qwen_config(kind: str) -> transformers.PretrainedConfig:
+    if kind == 'qwen2_vl':
+        return transformers.Qwen2VLVisionConfig(embed_dim=32, hidden_size=32, mlp_ratio=2, **_QWEN)
+    if kind == 'qwen2_5_vl':  # windows of 2 x 2 merge blocks (4 x 4 patches); block 1 attends globally
+        return transformers.Qwen2_5_VLVisionConfig(hidden_size=32, intermediate_size=64, out_hidden_size=32,
+                                                   window_size=32, fullatt_block_indexes=[1], **_QWEN)
+    if kind == 'qwen3_vl':
+        return transformers.Qwen3VLVisionConfig(hidden_size=32, intermediate_size=64, out_hidden_size=32,
+                                                num_position_embeddings=16, deepstack_visual_indexes=[0], **_QWEN)
+    raise ValueError(kind)
+
+
+_QWEN_MODELS = {'qwen2_vl': 'qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel',
+                'qwen2_5_vl': 'qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel',
+                'qwen3_vl': 'qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel'}
+
+
+def build_qwen(kind: str) -> nn.Module:
+    """The tiny Qwen-VL vision tower of ``kind``, in eval mode."""
+    module, name = _QWEN_MODELS[kind].rsplit('.', 1)
+    cls = getattr(importlib.import_module(f'transformers.models.{module}'), name)
+    torch.manual_seed(0)
+    return sharpen(cls(qwen_config(kind))).eval()
+
+
+def qwen_inputs(grids, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A Qwen-VL tower's inputs for images / videos of ``grids`` ``[(t, h, w), ...]`` (patches): their
+    flattened patches one after the other (``hidden_states``) and ``grid_thw``."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(t * h * w for t, h, w in grids)
+    width = 3 * 2 * QWEN_PATCH ** 2
+    return dict(hidden_states=torch.randn(total, width, generator=g), grid_thw=torch.tensor(grids))

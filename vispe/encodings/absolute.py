@@ -35,32 +35,36 @@ def _require_grid(name: str, pos: Positions) -> Tuple[int, ...]:
     return pos.grid
 
 
-def _axis_map(n_old: int, n_new: int, mode: str, antialias: bool, device: torch.device) -> torch.Tensor:
+def _axis_map(n_old: int, n_new: int, mode: str, antialias: bool, device: torch.device,
+              align_corners: bool = False) -> torch.Tensor:
     """``(n_new, n_old)``: `F.interpolate` along one axis as a matrix, its columns the resampled unit
     vectors (laid along the width: an antialiased resampling of a one-pixel-wide input along the
     height is wrong in torch)."""
     eye = torch.eye(n_old, device=device).reshape(1, n_old, 1, n_old)
-    return F.interpolate(eye, size=(1, n_new), mode=mode, antialias=antialias).reshape(n_old, n_new).t()
+    corners = dict(align_corners=True) if align_corners else {}
+    return F.interpolate(eye, size=(1, n_new), mode=mode, antialias=antialias, **corners).reshape(n_old, n_new).t()
 
 
 def _separable_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[int], num_prefix: int, mode: str,
-                        antialias: bool) -> torch.Tensor:
+                        antialias: bool, align_corners: bool = False) -> torch.Tensor:
     """timm's `resample_abs_pos_embed` as two matrix products (2D `F.interpolate` is separable), the
-    form used while traced: torch has no symbolic-shape kernel for the backward of the antialiased
-    resampling, so a train step compiled with ``dynamic=True`` would fail on it."""
+    form used while traced (torch has no symbolic-shape kernel for the backward of the antialiased
+    resampling, so a train step compiled with ``dynamic=True`` would fail on it) and with
+    ``align_corners``, which timm's function does not take."""
     prefix, grid = table[:, :num_prefix], table[:, num_prefix:].float().reshape(*old, -1)
-    rows, cols = (_axis_map(o, n, mode, antialias, table.device) for o, n in zip(old, new))
+    rows, cols = (_axis_map(o, n, mode, antialias, table.device, align_corners) for o, n in zip(old, new))
     grid = torch.einsum('ia,jb,abc->ijc', rows, cols, grid).reshape(1, -1, table.shape[-1])
     return torch.cat([prefix, grid.to(table.dtype)], dim=1)
 
 
 def _weights_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[int], num_prefix: int, mode: str,
-                      antialias: bool) -> torch.Tensor:
+                      antialias: bool, align_corners: bool = False) -> torch.Tensor:
     """The 2D resampling of `F.interpolate` as one ``(new, old)`` weight matrix over the table's grid rows,
     each weight the product of a row weight and a column weight (the form of transformers' SigLIP 2
-    ``resize_positional_embeddings``, whose rounding it reproduces)."""
+    ``resize_positional_embeddings``, whose rounding it reproduces, and of the Qwen3-VL tower's
+    `get_vision_interpolation_indices_and_weights`)."""
     prefix, rows_in = table[:, :num_prefix], table[:, num_prefix:].float().reshape(-1, table.shape[-1])
-    rows, cols = (_axis_map(o, n, mode, antialias, table.device) for o, n in zip(old, new))
+    rows, cols = (_axis_map(o, n, mode, antialias, table.device, align_corners) for o, n in zip(old, new))
     weights = (rows[:, None, :, None] * cols[None, :, None, :]).reshape(math.prod(new), math.prod(old))
     return torch.cat([prefix, (weights @ rows_in).unsqueeze(0).to(table.dtype)], dim=1)
 
@@ -101,6 +105,8 @@ class LearnedPE(AdditivePE):
             form; equal up to float rounding, and to the rounding of that host) or ``'buckets'`` (NaViT's
             fractional-position buckets, as Idefics3 / SmolVLM: each token takes the row of the bucket its
             fractional position ``i / n`` falls in; ``interpolation`` is then unused).
+        align_corners: `F.interpolate`'s ``align_corners`` for a bilinear or bicubic resampling: the corner
+            rows of the table stay at the corners of any grid (Qwen3-VL's tower; timm and most hosts: False).
     """
     larger_input = 'resample'
     paper = 'Dosovitskiy et al., ICLR 2021 (ViT); timm layout'
@@ -113,13 +119,18 @@ class LearnedPE(AdditivePE):
             antialias: bool = True,
             init_std: float = 0.02,
             resample: Literal['interpolate', 'weights', 'buckets'] = 'interpolate',
+            align_corners: bool = False,
     ) -> None:
         super().__init__(ctx)
         if ctx.grid_size is None:
             raise ValueError("encoding 'learned' needs the training grid: pass grid_size=(h, w) to create_pe")
+        if align_corners and interpolation == 'nearest':
+            raise ValueError("option 'align_corners' of encoding 'learned' needs interpolation='bicubic' or "
+                             "'bilinear' (nearest has no corners to align)")
         self.interpolation = interpolation
         self.antialias = antialias and interpolation != 'nearest'  # F.interpolate cannot antialias nearest
         self.resample = resample
+        self.align_corners = bool(align_corners)
         self.num_table_prefix = ctx.num_prefix_tokens if ctx.embed_prefix else 0
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_table_prefix + math.prod(ctx.grid_size), ctx.dim))
         if check_nonnegative(self.name, 'init_std', init_std):
@@ -134,9 +145,11 @@ class LearnedPE(AdditivePE):
         if static_equal(new, old):  # symbolic sizes resample (the identity when equal) rather than specialize
             return table
         if len(new) == 2 and self.resample == 'weights':
-            return _weights_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
-        if len(new) == 2 and is_tracing():
-            return _separable_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
+            return _weights_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias,
+                                     self.align_corners)
+        if len(new) == 2 and (is_tracing() or self.align_corners):
+            return _separable_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias,
+                                       self.align_corners)
         if len(new) == 2:
             return resample_abs_pos_embed(table, new_size=list(new), old_size=list(old),
                                           num_prefix_tokens=self.num_table_prefix,
@@ -144,7 +157,8 @@ class LearnedPE(AdditivePE):
         prefix, grid = table[:, :self.num_table_prefix], table[:, self.num_table_prefix:]
         grid = grid.reshape(1, *old, -1).movedim(-1, 1)
         mode = 'trilinear' if self.interpolation in ('bicubic', 'bilinear') else self.interpolation
-        grid = F.interpolate(grid.float(), size=tuple(new), mode=mode).to(table.dtype)
+        corners = dict(align_corners=True) if self.align_corners and mode == 'trilinear' else {}
+        grid = F.interpolate(grid.float(), size=tuple(new), mode=mode, **corners).to(table.dtype)
         return torch.cat([prefix, grid.movedim(1, -1).reshape(1, -1, table.shape[-1])], dim=1)
 
     def adopt_pos_embed(self, table: torch.Tensor, num_prefix: int, grid: Tuple[int, ...]
