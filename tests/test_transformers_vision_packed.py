@@ -16,7 +16,8 @@ from vispe.integrations._vision_packed import varlen_layout  # noqa: E402
 from adapter_checks import check_deepcopy, check_one_patch_per_tree, check_pickle  # noqa: E402
 from conftest import image_pes  # noqa: E402
 from transformers_vision_models import (  # noqa: E402
-    QWEN_FAMILIES, QWEN_NATIVE, QWEN_OTHER, QWEN_PACKED, build_qwen, qwen_config, qwen_inputs,
+    QWEN_FAMILIES, QWEN_NATIVE, QWEN_OTHER, QWEN_PACKED, build_qwen, build_qwen_vlm, qwen_config, qwen_inputs,
+    qwen_vlm_inputs,
 )
 
 PARITY = 1e-6
@@ -113,6 +114,30 @@ def test_learned_aligned_corner_weights_are_qwen3s_resampling(grid, align_corner
         assert (ours - host).abs().max().item() <= 5e-7
     elif grid != (4, 4):
         assert (ours - host).abs().max().item() > 1e-2
+
+
+# ------------------------------------------------------------------ whole models find their tower
+@pytest.mark.parametrize('kind', QWEN_FAMILIES)
+def test_a_whole_qwen_vl_model_finds_its_vision_tower(kind):
+    model = build_qwen_vlm(kind)
+    images = QWEN_PACKED[:2]
+    batch = qwen_vlm_inputs(images)
+
+    def features(m):  # the merged image tokens the language model receives
+        x = m.model.get_image_features(pixel_values=batch['pixel_values'], image_grid_thw=batch['image_grid_thw'])
+        return torch.cat(list(x.pooler_output))
+
+    with torch.no_grad():
+        want, logits = features(model), model(**batch).logits
+        with patch_vision(model) as handle:
+            assert handle.tower is model.model.visual and handle.tower_name == 'model.visual'
+            assert (features(model) - want).abs().max().item() <= PARITY
+            assert (model(**batch).logits - logits).abs().max().item() <= PARITY
+        with patch_vision(model.model, 'rope_mixed') as handle:  # the model without its head too
+            assert handle.tower is model.model.visual
+            assert (features(model) - want).abs().max() > 1e-3
+    check_one_patch_per_tree(model, model.model.visual, lambda m: patch_vision(m, 'rope_mixed'),
+                             lambda m: patch_vision(m, 'liere'))
 
 
 # ------------------------------------------------------------------ any encoding in every family

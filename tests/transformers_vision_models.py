@@ -160,3 +160,32 @@ def qwen_inputs(grids, seed: int = 0) -> Dict[str, torch.Tensor]:
     total = sum(t * h * w for t, h, w in grids)
     width = 3 * 2 * QWEN_PATCH ** 2
     return dict(hidden_states=torch.randn(total, width, generator=g), grid_thw=torch.tensor(grids))
+
+
+_QWEN_VLM = {'qwen2_vl': ('Qwen2VLForConditionalGeneration', 'Qwen2VLConfig'),
+             'qwen2_5_vl': ('Qwen2_5_VLForConditionalGeneration', 'Qwen2_5_VLConfig'),
+             'qwen3_vl': ('Qwen3VLForConditionalGeneration', 'Qwen3VLConfig')}
+QWEN_IMAGE_TOKEN = 60
+
+
+def build_qwen_vlm(kind: str) -> nn.Module:
+    """A whole tiny Qwen-VL model (vision tower, merger, one-layer language model), in eval mode."""
+    model_cls, config_cls = (getattr(transformers, n) for n in _QWEN_VLM[kind])
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                intermediate_size=64, vocab_size=64,
+                rope_parameters=dict(rope_type='default', rope_theta=10000.0, mrope_section=[2, 3, 3]))
+    config = config_cls(vision_config=qwen_config(kind).to_dict(), text_config=text, image_token_id=QWEN_IMAGE_TOKEN,
+                        video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
+    torch.manual_seed(0)
+    return sharpen(model_cls(config)).eval()
+
+
+def qwen_vlm_inputs(grids, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A prompt with the images of ``grids`` (each ``t * h * w / 4`` image tokens between start / end tokens)."""
+    x = qwen_inputs(grids, seed)
+    ids = [1]
+    for t, h, w in grids:
+        ids += [62] + [QWEN_IMAGE_TOKEN] * (t * h * w // 4) + [63, 2]
+    ids = torch.tensor([ids])
+    return dict(input_ids=ids, pixel_values=x['hidden_states'], image_grid_thw=x['grid_thw'],
+                mm_token_type_ids=(ids == QWEN_IMAGE_TOKEN).long())
