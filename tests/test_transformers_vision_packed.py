@@ -1,8 +1,9 @@
-"""patch_vision on transformers' packed vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): images and video frames
-run as one sequence attended in segments (``cu_seqlens``), tokens in merge-block (and window) order. Parity of
-the model's own encoding with the unpatched tower first (one image, another size, a packed mixed batch), the
-positions against transformers' own id helpers, an image packed with others against the image alone; then
-every image encoding, the adapter mechanism, bfloat16 and the refusals."""
+"""patch_vision on transformers' packed vision towers: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (images and video frames
+run as one sequence attended in segments, ``cu_seqlens``, tokens in merge-block and window order) and Pixtral
+(images of their own sizes along one sequence, a block-diagonal mask). Parity of the model's own encoding with
+the unpatched tower first (the training grid, another size, a packed mixed batch), the positions against
+transformers' own id helpers, an image packed with others against the image alone; then every image encoding,
+the adapter mechanism, bfloat16 and the refusals."""
 import copy
 
 import pytest
@@ -16,17 +17,22 @@ from vispe.integrations._vision_packed import varlen_layout  # noqa: E402
 from adapter_checks import check_deepcopy, check_one_patch_per_tree, check_pickle  # noqa: E402
 from conftest import image_pes  # noqa: E402
 from transformers_vision_models import (  # noqa: E402
-    QWEN_FAMILIES, QWEN_NATIVE, QWEN_OTHER, QWEN_PACKED, build_qwen, build_qwen_vlm, qwen_config, qwen_inputs,
-    qwen_vlm_inputs,
+    PACKED_FAMILIES, QWEN_FAMILIES, QWEN_NATIVE, QWEN_OTHER, QWEN_PACKED, build_packed, build_qwen, build_qwen_vlm,
+    packed_images, packed_inputs, qwen_config, qwen_inputs, qwen_vlm_inputs,
 )
 
 PARITY = 1e-6
-SIZES = {'native': [QWEN_NATIVE], 'other': [QWEN_OTHER], 'packed': QWEN_PACKED}
 
 
 def _outputs(out):
-    """Every tensor a Qwen-VL tower returns: tokens, merged tokens, deepstack features (Qwen3-VL)."""
-    return [out.last_hidden_state, out.pooler_output] + list(getattr(out, 'deepstack_features', None) or [])
+    """Every tensor a packed tower returns: tokens, Qwen-VL's merged tokens and Qwen3-VL's deepstack features."""
+    extra = [out.pooler_output] if getattr(out, 'pooler_output', None) is not None else []
+    return [out.last_hidden_state] + extra + list(getattr(out, 'deepstack_features', None) or [])
+
+
+def _tokens(out):
+    """The ``(N, C)`` tokens of the packed sequence (Pixtral's come as a batch of one)."""
+    return out.last_hidden_state.flatten(0, -2)
 
 
 def _state(model):
@@ -34,12 +40,12 @@ def _state(model):
 
 
 # ------------------------------------------------------------------ parity: the model's own encoding
-@pytest.mark.parametrize('kind', QWEN_FAMILIES)
-@pytest.mark.parametrize('size', list(SIZES))
+@pytest.mark.parametrize('kind', PACKED_FAMILIES)
+@pytest.mark.parametrize('size', ['native', 'other', 'packed'])
 def test_own_encoding_equals_the_unpatched_tower(kind, size):
-    model = build_qwen(kind)
+    model = build_packed(kind)
     before = _state(model)
-    x = qwen_inputs(SIZES[size])
+    x = packed_inputs(kind, size)
     with torch.no_grad():
         want = _outputs(model(**x))
         with patch_vision(model) as handle:
@@ -78,19 +84,29 @@ def test_positions_follow_the_hosts_token_order(kind):
         assert (~windows.positions.key_padding_mask).sum(1).tolist() == lengths
 
 
-@pytest.mark.parametrize('kind', QWEN_FAMILIES)
-@pytest.mark.parametrize('pe', [None, 'rope_mixed', 'liere', 'irpe', 'peg', 'learned'])
+_ALONE = [(kind, pe) for kind in PACKED_FAMILIES for pe in (None, 'liere', 'peg')] + [
+    ('qwen2_5_vl', 'irpe'), ('qwen2_5_vl', 'learned'), ('pixtral', 'rope_mixed'), ('qwen3_vl', 'lookhere')]
+
+
+@pytest.mark.parametrize('kind, pe', _ALONE)
 def test_an_image_packed_with_others_gets_its_output_alone(kind, pe):
-    model = build_qwen(kind)
-    x = qwen_inputs(QWEN_PACKED)
+    model = build_packed(kind)
+    x = packed_inputs(kind, 'packed')
     with torch.no_grad(), patch_vision(model, pe):
-        together = model(**x).last_hidden_state
-        start = 0
-        for t, h, w in QWEN_PACKED:
-            end = start + t * h * w
-            alone = model(hidden_states=x['hidden_states'][start:end], grid_thw=torch.tensor([(t, h, w)]))
-            torch.testing.assert_close(together[start:end], alone.last_hidden_state, rtol=0, atol=2e-6)
-            start = end
+        together = _tokens(model(**x))
+        for (start, end), alone in packed_images(kind, x):
+            torch.testing.assert_close(together[start:end], _tokens(model(**alone)), rtol=0, atol=2e-6)
+
+
+def test_the_unpatched_hosts_give_a_packed_image_its_output_alone_too():
+    """The property the patch keeps is the host's own (what parity then carries over)."""
+    for kind in ('qwen2_5_vl', 'pixtral'):
+        model = build_packed(kind)
+        x = packed_inputs(kind, 'packed')
+        with torch.no_grad():
+            together = _tokens(model(**x))
+            for (start, end), alone in packed_images(kind, x):
+                torch.testing.assert_close(together[start:end], _tokens(model(**alone)), rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize('align_corners', [True, False])
@@ -142,21 +158,21 @@ def test_a_whole_qwen_vl_model_finds_its_vision_tower(kind):
 
 # ------------------------------------------------------------------ any encoding in every family
 PES = image_pes()
-_ROUND = [(QWEN_FAMILIES[i % len(QWEN_FAMILIES)], pe) for i, pe in enumerate(PES)]
-_MATRIX = _ROUND + [pytest.param(kind, pe, marks=pytest.mark.slow) for kind in QWEN_FAMILIES for pe in PES
+_ROUND = [(PACKED_FAMILIES[i % len(PACKED_FAMILIES)], pe) for i, pe in enumerate(PES)]
+_MATRIX = _ROUND + [pytest.param(kind, pe, marks=pytest.mark.slow) for kind in PACKED_FAMILIES for pe in PES
                     if (kind, pe) not in _ROUND]
 
 
 @pytest.fixture(scope='module')
 def towers():
-    return {kind: build_qwen(kind) for kind in QWEN_FAMILIES}
+    return {kind: build_packed(kind) for kind in PACKED_FAMILIES}
 
 
 @pytest.mark.parametrize('kind, pe', _MATRIX)
 def test_every_image_encoding_trains_a_step_and_takes_other_sizes(towers, kind, pe):
     model = copy.deepcopy(towers[kind]).train()
     handle = patch_vision(model, pe)
-    loss = model(**qwen_inputs([QWEN_NATIVE, QWEN_NATIVE])).pooler_output.square().mean()
+    loss = model(**packed_inputs(kind, 'native')).last_hidden_state.square().mean()
     loss.backward()
     assert torch.isfinite(loss)
     params = [p for n, p in model.named_parameters() if 'vispe_pe.' in n and p.requires_grad]
@@ -168,19 +184,20 @@ def test_every_image_encoding_trains_a_step_and_takes_other_sizes(towers, kind, 
             if p.grad is not None:
                 p -= 1e-2 * p.grad
     model.eval()
+    x = packed_inputs(kind, 'packed')
     with torch.no_grad():
-        out = model(**qwen_inputs(QWEN_PACKED)).last_hidden_state
-    assert out.shape[0] == sum(t * h * w for t, h, w in QWEN_PACKED) and torch.isfinite(out).all()
+        out = _tokens(model(**x))
+    assert out.shape[0] == max(end for (_, end), _ in packed_images(kind, x)) and torch.isfinite(out).all()
     handle.remove()
 
 
-@pytest.mark.parametrize('kind', QWEN_FAMILIES)
+@pytest.mark.parametrize('kind', PACKED_FAMILIES)
 def test_state_dict_round_trips(towers, kind):
     a, b = copy.deepcopy(towers[kind]), copy.deepcopy(towers[kind])
     patch_vision(a, 'rope_mixed')
     patch_vision(b, 'rope_mixed')
     b.load_state_dict(a.state_dict())
-    x = qwen_inputs(QWEN_PACKED)
+    x = packed_inputs(kind, 'packed')
     with torch.no_grad():
         torch.testing.assert_close(b(**x).last_hidden_state, a(**x).last_hidden_state, rtol=0, atol=0)
 
@@ -195,15 +212,14 @@ def test_qwen3_own_encoding_takes_the_hosts_table():
 
 
 # ------------------------------------------------------------------ the adapter mechanism
-def _run(model):
-    with torch.no_grad():
-        return model(**qwen_inputs(QWEN_PACKED)).last_hidden_state
-
-
-@pytest.mark.parametrize('kind', QWEN_FAMILIES)
+@pytest.mark.parametrize('kind', PACKED_FAMILIES)
 def test_patched_tower_deep_copies_and_pickles(kind):
-    check_deepcopy(build_qwen(kind), lambda m: patch_vision(m, 'rope_mixed+peg'), _run)
-    check_pickle(build_qwen(kind), lambda m: patch_vision(m, 'liere+learned'), _run)
+    def run(model):
+        with torch.no_grad():
+            return model(**packed_inputs(kind, 'packed')).last_hidden_state
+
+    check_deepcopy(build_packed(kind), lambda m: patch_vision(m, 'rope_mixed+peg'), run)
+    check_pickle(build_packed(kind), lambda m: patch_vision(m, 'liere+learned'), run)
 
 
 def test_gradient_checkpointing_threads_the_layout(towers):
@@ -215,23 +231,25 @@ def test_gradient_checkpointing_threads_the_layout(towers):
 
 
 # ------------------------------------------------------------------ bfloat16
-@pytest.mark.parametrize('kind', QWEN_FAMILIES)
+@pytest.mark.parametrize('kind', PACKED_FAMILIES)
 def test_rotary_angles_stay_float32_in_a_bfloat16_tower_where_the_hosts_are_rounded(kind):
-    model = build_qwen(kind)
-    exact = model.rotary_pos_emb.inv_freq.clone()
+    model = build_packed(kind)
+    host = model.patch_positional_embedding if kind == 'pixtral' else model.rotary_pos_emb
+    exact = host.inv_freq.clone()
     handle = patch_vision(model)
-    pos = handle.family.positions(handle.family, handle.tower, (), qwen_inputs([QWEN_OTHER])).frames.positions
+    x = packed_inputs(kind, 'packed')
+    pos = handle.family.positions(handle.family, handle.tower, (), x).frames.positions
     rope = handle.encoding if kind != 'qwen3_vl' else handle.encoding.encodings[0]
     want = rope.angles(pos)
     model.to(torch.bfloat16)
-    assert model.rotary_pos_emb.inv_freq.dtype == torch.bfloat16  # transformers' table is rounded
-    assert not torch.equal(model.rotary_pos_emb.inv_freq.float(), exact)
+    assert host.inv_freq.dtype == torch.bfloat16  # transformers' table is rounded
+    assert not torch.equal(host.inv_freq.float(), exact)
     handle.encoding.clear_cache()
     got = rope.angles(pos)
     assert got.dtype == torch.float32 and torch.equal(got, want)
-    x = qwen_inputs(QWEN_PACKED)
+    first = next(iter(x))
     with torch.no_grad():
-        out = model(hidden_states=x['hidden_states'].bfloat16(), grid_thw=x['grid_thw']).last_hidden_state
+        out = model(**{**x, first: x[first].bfloat16()}).last_hidden_state
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     handle.remove()
 
@@ -263,3 +281,28 @@ def test_attention_called_outside_the_patched_forward_says_why(towers):
     model = copy.deepcopy(towers['qwen2_vl'])
     with patch_vision(model, 'rope_mixed'), pytest.raises(RuntimeError, match='called without vispe_prepared='):
         model.blocks[0].attn(torch.randn(16, 32), cu_seqlens=torch.tensor([0, 16]))
+
+
+def test_pixtral_refuses_image_sizes_the_patch_does_not_divide_or_outside_the_canvas(towers):
+    model = copy.deepcopy(towers['pixtral'])
+    x = torch.randn(2, 3, 32, 32)
+    with patch_vision(model, 'rope_mixed'):
+        with pytest.raises(ValueError, match='not divisible by the patch size 8x8'):
+            model(pixel_values=x, image_sizes=torch.tensor([[32, 32], [20, 32]]))
+        with pytest.raises(ValueError, match='image_sizes must give each of the 2 images'):
+            model(pixel_values=x, image_sizes=torch.tensor([[32, 32], [40, 32]]))
+        with pytest.raises(ValueError, match='not divisible by the patch size'):
+            model(pixel_values=torch.randn(1, 3, 36, 32))
+
+
+def test_pixtral_rope_is_rope_timm_with_alternating_axis_bands():
+    """``rope_timm:axis_bands=alternating`` gives Pixtral's cos / sin, hand-derived from transformers' module."""
+    import vispe
+    model = build_packed('pixtral')
+    ids = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(7), indexing='ij'), -1).reshape(-1, 2)
+    cos, sin = model.patch_positional_embedding(torch.zeros(1), ids)
+    pe = vispe.create_pe('rope_timm:rope_type=cat,temperature=10000,rotate_half=true,axis_bands=alternating',
+                         vispe.PEContext(dim=32, num_heads=2, head_dim=16, grid_size=(4, 4)))
+    angles = pe.angles(vispe.positions.grid(5, 7))  # (N, hd / 2): rotate-half pairs (j, j + hd / 2)
+    torch.testing.assert_close(torch.cat([angles.cos()] * 2, -1), cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.cat([angles.sin()] * 2, -1), sin, rtol=0, atol=1e-6)

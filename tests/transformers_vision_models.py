@@ -189,3 +189,51 @@ def qwen_vlm_inputs(grids, seed: int = 0) -> Dict[str, torch.Tensor]:
     ids = torch.tensor([ids])
     return dict(input_ids=ids, pixel_values=x['hidden_states'], image_grid_thw=x['grid_thw'],
                 mm_token_type_ids=(ids == QWEN_IMAGE_TOKEN).long())
+
+
+# ------------------------------------------------------------------ Pixtral: images of their own sizes on one sequence
+PIXTRAL_SIZES = {'native': [(32, 32), (32, 32)], 'other': [(48, 40)], 'packed': [(48, 56), (24, 40), (48, 16), (8, 8)]}
+
+
+def build_pixtral() -> nn.Module:
+    """The tiny Pixtral vision encoder (a 4 x 4 training grid of patches of 8), in eval mode."""
+    torch.manual_seed(0)
+    config = transformers.PixtralVisionConfig(image_size=NATIVE[0], patch_size=PATCH, head_dim=16, **_SIZES)
+    return sharpen(transformers.PixtralVisionModel(config)).eval()
+
+
+def pixtral_inputs(sizes, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Images of ``sizes`` (pixels) padded at the bottom / right to one canvas, and their ``image_sizes``."""
+    g = torch.Generator().manual_seed(seed)
+    canvas = (max(h for h, _ in sizes), max(w for _, w in sizes))
+    return dict(pixel_values=torch.randn(len(sizes), 3, *canvas, generator=g), image_sizes=torch.tensor(sizes))
+
+
+PACKED_FAMILIES = QWEN_FAMILIES + ('pixtral',)
+
+
+def build_packed(kind: str) -> nn.Module:
+    return build_pixtral() if kind == 'pixtral' else build_qwen(kind)
+
+
+def packed_inputs(kind: str, which: str, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Inputs of a packed tower: ``which`` is ``'native'`` (the training grid), ``'other'`` (another size) or
+    ``'packed'`` (images of different sizes, for Qwen-VL a video among them)."""
+    if kind == 'pixtral':
+        return pixtral_inputs(PIXTRAL_SIZES[which], seed)
+    return qwen_inputs({'native': [QWEN_NATIVE] * 2, 'other': [QWEN_OTHER], 'packed': QWEN_PACKED}[which], seed)
+
+
+def packed_images(kind: str, batch: Dict[str, torch.Tensor]):
+    """Each image of a packed batch: its ``(start, end)`` in the sequence of tokens and its inputs alone."""
+    start = 0
+    if kind == 'pixtral':
+        for b, (h, w) in enumerate(batch['image_sizes'].tolist()):
+            end = start + (h // PATCH) * (w // PATCH)
+            yield (start, end), dict(pixel_values=batch['pixel_values'][b:b + 1, :, :h, :w])
+            start = end
+        return
+    for t, h, w in batch['grid_thw'].tolist():
+        end = start + t * h * w
+        yield (start, end), dict(hidden_states=batch['hidden_states'][start:end], grid_thw=torch.tensor([(t, h, w)]))
+        start = end

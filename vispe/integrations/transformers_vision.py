@@ -96,7 +96,7 @@ from ._vision_packed import VarlenLayout, varlen_layout
 from .base import ModelPatch, UnsupportedModelError, refuse_patched
 
 __all__ = ['patch_vision', 'VisionPatch', 'VisionFamily', 'FAMILIES', 'SUPPORTED_TOWERS', 'image_positions',
-           'naflex_positions', 'canvas_positions', 'varlen_positions', 'own_spec', 'QWEN_REFERENCE_GRID']
+           'naflex_positions', 'canvas_positions', 'varlen_positions', 'pixtral_positions', 'own_spec', 'QWEN_REFERENCE_GRID']
 
 _logger = logging.getLogger(__name__)
 
@@ -248,6 +248,36 @@ def varlen_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[An
                          window_bounds=window_bounds)
 
 
+def pixtral_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                      ) -> VarlenLayout:
+    """The layout of a Pixtral tower's forward: image ``b`` the top-left ``image_sizes[b]`` of its
+    ``pixel_values`` ``(B, C, H, W)`` (all of it without ``image_sizes``), its patches in raster order, the
+    images one after the other along one sequence, each its own attention segment.
+
+    Raises:
+        ValueError: pixel_values not ``(B, C, H, W)``, ``image_sizes`` not one ``(height, width)`` per image
+            within the canvas, or a size the patch does not divide.
+    """
+    pixels = _argument(args, kwargs, 0, 'pixel_values')
+    sizes = _argument(args, kwargs, 1, 'image_sizes')
+    if not torch.is_tensor(pixels) or pixels.dim() != 4:
+        shape = tuple(pixels.shape) if torch.is_tensor(pixels) else type(pixels).__name__
+        raise ValueError(f'patch_vision ({family.label}): pixel_values must be a (B, C, H, W) tensor, got {shape}')
+    batch, canvas = pixels.shape[0], tuple(pixels.shape[-2:])
+    sizes = [canvas] * batch if sizes is None else [tuple(int(v) for v in s) for s in
+                                                     (sizes.tolist() if torch.is_tensor(sizes) else sizes)]
+    p = int(tower.config.patch_size)
+    if len(sizes) != batch or any(len(s) != 2 or not (0 < s[0] <= canvas[0] and 0 < s[1] <= canvas[1]) for s in sizes):
+        raise ValueError(f'patch_vision ({family.label}): image_sizes must give each of the {batch} images its '
+                         f'(height, width) within the {canvas[0]}x{canvas[1]} pixel_values, got {sizes}')
+    bad = [s for s in sizes if s[0] % p or s[1] % p]
+    if bad:
+        raise ValueError(f'patch_vision ({family.label}): image sizes {bad} are not divisible by the patch size '
+                         f'{p}x{p}; use sizes that are multiples of {p} (the unpatched model would crop the remainder)')
+    thw = torch.tensor([(1, h // p, w // p) for h, w in sizes], device=pixels.device)
+    return varlen_layout(thw, 1, family.native_grid(tower.config))
+
+
 # ----------------------------------------------------------------------------------------- the family table
 def _native_image_grid(config: Any) -> Tuple[int, int]:
     (h, w), (ph, pw) = _pair(config.image_size), _pair(config.patch_size)
@@ -272,7 +302,8 @@ class VisionFamily:
         prefix: the embeddings' prefix-token parameters, in sequence order (``register_tokens`` counts
             ``config.num_register_tokens`` tokens, the others one each).
         patch: the embeddings' patch-embedding module (a conv whose output is flattened, or a linear map
-            of already-patchified pixels).
+            of already-patchified pixels); None where the patch replaces no embeddings forward of its own
+            (``'varlen'``: the embeddings module runs as transformers defines it).
         table: dotted path from the tower to the learned position table (a ``(1, N, C)`` parameter or an
             ``nn.Embedding``), None without one; ``table_prefix``: its rows for prefix tokens.
         own: the options of the model's own encoding (``'learned'``'s resampling), or a function of the
@@ -300,6 +331,8 @@ class VisionFamily:
         windows: the tower attends in windows (Qwen2.5-VL, `transformers.vision_utils.get_vision_window_index`)
             except in the blocks of ``config.fullatt_block_indexes``.
         zeroed: tower submodules computing the host's table, made to return zero (the encoding adds its own).
+        returns_weights: the attention returns ``(output, weights)`` (transformers' rule; Qwen-VL's returns
+            the output alone).
     """
     label: str
     towers: Tuple[str, ...]
@@ -309,7 +342,7 @@ class VisionFamily:
     scale: str
     dropout: str
     prefix: Tuple[str, ...]
-    patch: str
+    patch: Optional[str]
     table: Optional[str]
     table_prefix: int
     own: Any
@@ -324,6 +357,7 @@ class VisionFamily:
     heads: str = 'num_attention_heads'
     windows: bool = False
     zeroed: Tuple[str, ...] = ()
+    returns_weights: bool = True
 
     def num_prefix(self, config: Any) -> int:
         return sum(int(config.num_register_tokens) if p == 'register_tokens' else 1 for p in self.prefix)
@@ -361,6 +395,13 @@ def _qwen3_spec(config: Any) -> List[Dict[str, Any]]:
 def _native_table_grid(config: Any) -> Tuple[int, int]:
     side = math.isqrt(config.num_position_embeddings)
     return side, side
+
+
+def _pixtral_spec(config: Any) -> Dict[str, Any]:
+    """Pixtral's rope (``PixtralVisionRotaryEmbedding``) as ``rope_timm``: integer (row, column) patch indices,
+    the row on the even and the column on the odd entries of ``rope_theta^(-2j / hd)``, rotate-half pairs."""
+    return dict(name='rope_timm', rope_type='cat', temperature=float(config.rope_parameters['rope_theta']),
+                grid_indexing='ij', rotate_half=True, axis_bands='alternating')
 
 
 QWEN_REFERENCE_GRID = (16, 16)
@@ -403,18 +444,22 @@ FAMILIES: Tuple[VisionFamily, ...] = (
                  unused=('rope_embeddings',)),
     # one sequence of images and frames attended in segments (cu_seqlens), merge-block token order, fused qkv
     VisionFamily('Qwen2-VL vision', ('Qwen2VisionTransformerPretrainedModel',), 'blocks', 'attn', 'proj', 'scaling',
-                 'attention_dropout', (), 'proj', None, 0, _qwen_rope_spec, varlen_positions,
+                 'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
                  _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
-                 qkv='qkv', width='embed_dim', heads='num_heads'),
+                 qkv='qkv', width='embed_dim', heads='num_heads', returns_weights=False),
     VisionFamily('Qwen2.5-VL vision', ('Qwen2_5_VisionTransformerPretrainedModel',), 'blocks', 'attn', 'proj',
-                 'scaling', 'attention_dropout', (), 'proj', None, 0, _qwen_rope_spec, varlen_positions,
+                 'scaling', 'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
                  _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
-                 qkv='qkv', heads='num_heads', windows=True),
+                 qkv='qkv', heads='num_heads', windows=True, returns_weights=False),
+    # its own 2D rope; images of their own sizes along one sequence, a block-diagonal mask
+    VisionFamily('Pixtral vision', ('PixtralVisionModel',), 'transformer.layers', 'attention', 'o_proj', 'scaling',
+                 'dropout', (), None, None, 0, _pixtral_spec, pixtral_positions, unused=('patch_positional_embedding',),
+                 layout='varlen', embeddings='ln_pre'),
     # the rope and a learned table, resampled by bilinear taps with aligned corners; deepstack mergers
     VisionFamily('Qwen3-VL vision', ('Qwen3VLVisionModel', 'Qwen3VLMoeVisionModel'), 'blocks', 'attn', 'proj',
-                 'scaling', 'attention_dropout', (), 'proj', 'pos_embed', 0, _qwen3_spec, varlen_positions,
+                 'scaling', 'attention_dropout', (), None, 'pos_embed', 0, _qwen3_spec, varlen_positions,
                  _native_table_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
-                 qkv='qkv', heads='num_heads', zeroed=('pos_embed',)),
+                 qkv='qkv', heads='num_heads', zeroed=('pos_embed',), returns_weights=False),
 )
 SUPPORTED_TOWERS = tuple(t for f in FAMILIES for t in f.towers)
 _BY_TOWER = {t: f for f in FAMILIES for t in f.towers}
@@ -466,7 +511,7 @@ def _check_layout(tower: nn.Module, family: VisionFamily) -> List[nn.Module]:
             _path(tower, name)
     except AttributeError as e:
         raise UnsupportedModelError(f'patch_vision: {type(tower).__name__} has no {e.name!r}: {why}') from None
-    for name in family.prefix + (family.patch,):
+    for name in family.prefix + ((family.patch,) if family.patch else ()):
         if not hasattr(embeddings, name):
             raise UnsupportedModelError(f'patch_vision: {type(embeddings).__name__} has no {name!r}: {why}')
     projections = (family.qkv,) if family.qkv else ('q_proj', 'k_proj', 'v_proj')
@@ -616,30 +661,38 @@ class VisionPatch(ModelPatch):
             return x
         current = self._current()
         frames = current.layout.frames
-        return frames.unpack(current.prepared.embed(frames.pack(x)))
+        return frames.unpack(current.prepared.embed(frames.pack(x.flatten(0, -2)))).view_as(x)
 
-    def _packed_attention(self, module: nn.Module, layer: int, hidden_states: Tensor, cu_seqlens: Any = None,
-                          position_embeddings: Any = None, max_seqlen: Any = None, **kwargs: Any) -> Tensor:
-        """The forward of one attention of a packed tower (Qwen-VL): its fused ``qkv`` projection, q, k and v
+    def _packed_attention(self, module: nn.Module, layer: int, hidden_states: Tensor, *args: Any,
+                          **kwargs: Any) -> Any:
+        """The forward of one attention of a packed tower (Qwen-VL, Pixtral): its q/k/v projections, q, k and v
         packed into the batch of its segments (frames, or windows in a windowed block), `vispe.pe_attention`
         with the encoding prepared for them and a mask of the padded keys, the output unpacked into the
-        host's order, its output projection. The host's ``cu_seqlens`` and rotary tables are not read: the
-        layout of this forward gives the same segments."""
+        host's order, its output projection. The host's segments (``cu_seqlens``, a block-diagonal mask)
+        and rotary tables are not read: the layout of this forward gives the same segments."""
         prepared: Optional[PreparedPE] = self._prepared(kwargs, f'attention {layer}')
         current = self._running(kwargs, f'attention {layer}')
+        fam = self.family
         packing = current.layout.frames
         if current.layout.windows is not None and layer not in self._full_layers:
             packing, prepared = current.layout.windows, current.windows
-        tokens = packing.pack(getattr(module, self.family.qkv)(hidden_states))  # (S, n, 3C)
-        s, n, _ = tokens.shape
-        q, k, v = tokens.view(s, n, 3, -1, module.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        x = hidden_states.flatten(0, -2)  # (N, C): Qwen-VL's sequence, Pixtral's batch of one
+        if fam.qkv:
+            tokens = packing.pack(getattr(module, fam.qkv)(x))  # (S, n, 3C)
+            s, n, _ = tokens.shape
+            q, k, v = tokens.view(s, n, 3, -1, module.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = (packing.pack(proj(x)) for proj in (module.q_proj, module.k_proj, module.v_proj))
+            s, n, _ = q.shape
+            q, k, v = (t.view(s, n, -1, module.head_dim).transpose(1, 2) for t in (q, k, v))
         needs_x = prepared is not None and prepared.capabilities.needs_tokens
         pad = packing.positions.key_padding_mask
-        o = pe_attention(q, k, v, prepared, layer, x=packing.pack(hidden_states) if needs_x else None,
+        o = pe_attention(q, k, v, prepared, layer, x=packing.pack(x) if needs_x else None,
                          attn_mask=None if pad is None else ~pad[:, None, None, :],
-                         scale=getattr(module, self.family.scale),
-                         dropout_p=getattr(module, self.family.dropout) if module.training else 0.0)
-        return getattr(module, self.family.out_proj)(packing.unpack(o.transpose(1, 2).reshape(s, n, -1)))
+                         scale=getattr(module, fam.scale),
+                         dropout_p=getattr(module, fam.dropout) if module.training else 0.0)
+        o = getattr(module, fam.out_proj)(packing.unpack(o.transpose(1, 2).reshape(s, n, -1))).view_as(hidden_states)
+        return (o, None) if fam.returns_weights else o
 
     def _between_blocks(self, index: int, layer: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                         output: Any) -> Any:
@@ -647,7 +700,7 @@ class VisionPatch(ModelPatch):
         prepared = self._prepared(kwargs, f'layer {index}')
         if self.family.layout == 'varlen':  # on the frames' batch
             frames = self._running(kwargs, f'layer {index}').layout.frames
-            return frames.unpack(prepared.between_blocks(frames.pack(output), index))
+            return frames.unpack(prepared.between_blocks(frames.pack(output.flatten(0, -2)), index)).view_as(output)
         if isinstance(output, tuple):
             return (prepared.between_blocks(output[0], index),) + output[1:]
         return prepared.between_blocks(output, index)
