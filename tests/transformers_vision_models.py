@@ -20,7 +20,8 @@ SIGLIP2_PATCH = 4
 SIGLIP2_NATIVE = 16      # its table: 4 x 4
 _SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
-FAMILIES = ('vit', 'deit', 'dinov2', 'dinov2_registers', 'siglip', 'clip', 'siglip2', 'dinov3', 'idefics3', 'smolvlm')
+FAMILIES = ('vit', 'deit', 'dinov2', 'dinov2_registers', 'siglip', 'clip', 'siglip2', 'dinov3', 'idefics3', 'smolvlm',
+            'internvl')
 
 
 def _config(kind: str) -> transformers.PretrainedConfig:
@@ -45,13 +46,16 @@ def _config(kind: str) -> transformers.PretrainedConfig:
         return transformers.Idefics3VisionConfig(**image)
     if kind == 'smolvlm':
         return transformers.SmolVLMVisionConfig(**image)
+    if kind == 'internvl':
+        return transformers.InternVLVisionConfig(use_qk_norm=True, use_mean_pooling=False, **image)
     raise ValueError(kind)
 
 
 _MODELS = {'vit': 'ViTModel', 'deit': 'DeiTModel', 'dinov2': 'Dinov2Model',
            'dinov2_registers': 'Dinov2WithRegistersModel', 'siglip': 'SiglipVisionModel',
            'clip': 'CLIPVisionModel', 'siglip2': 'Siglip2VisionModel', 'dinov3': 'DINOv3ViTModel',
-           'idefics3': 'Idefics3VisionTransformer', 'smolvlm': 'SmolVLMVisionTransformer'}
+           'idefics3': 'Idefics3VisionTransformer', 'smolvlm': 'SmolVLMVisionTransformer',
+           'internvl': 'InternVLVisionModel'}
 
 
 def sharpen(model: nn.Module, seed: int = 1) -> nn.Module:

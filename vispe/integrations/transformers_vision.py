@@ -1,9 +1,10 @@
 """Give one transformers vision encoder instance any vispe positional encoding: `patch_vision`.
 
 ``patch_vision(model, 'liere')`` makes a transformers ViT / DeiT, DINOv2 (with registers too), DINOv3-ViT,
-SigLIP, SigLIP 2 (NaFlex), CLIP, Idefics3 / SmolVLM or Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision encoder, or a
-model that holds one (an image classifier, a whole ``SiglipModel`` / ``CLIPModel`` / ``Idefics3Model`` / Qwen-VL
-model: its vision tower is found), position its image tokens with a vispe encoding.
+SigLIP, SigLIP 2 (NaFlex), CLIP, Idefics3 / SmolVLM, InternVL, Pixtral or Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision
+encoder, or a model that holds one (an image classifier, a whole ``SiglipModel`` / ``CLIPModel`` / VLM: LLaVA,
+PaliGemma, Idefics3 / SmolVLM, InternVL, Mistral3, Qwen-VL; its vision tower is found), position its image tokens
+with a vispe encoding.
 On that instance only (transformers' classes, modules and registries stay untouched) it:
 
 * registers the encoding as ``<tower>.vispe_pe`` (its parameters train and save with the model's
@@ -333,6 +334,8 @@ class VisionFamily:
         zeroed: tower submodules computing the host's table, made to return zero (the encoding adds its own).
         returns_weights: the attention returns ``(output, weights)`` (transformers' rule; Qwen-VL's returns
             the output alone).
+        qk_norm: the attention's q and k norms over the projections' whole width (InternVL), None without.
+        out_dropout: the attention's dropout after its output projection, None without.
     """
     label: str
     towers: Tuple[str, ...]
@@ -358,6 +361,8 @@ class VisionFamily:
     windows: bool = False
     zeroed: Tuple[str, ...] = ()
     returns_weights: bool = True
+    qk_norm: Optional[Tuple[str, str]] = None
+    out_dropout: Optional[str] = None
 
     def num_prefix(self, config: Any) -> int:
         return sum(int(config.num_register_tokens) if p == 'register_tokens' else 1 for p in self.prefix)
@@ -395,6 +400,12 @@ def _qwen3_spec(config: Any) -> List[Dict[str, Any]]:
 def _native_table_grid(config: Any) -> Tuple[int, int]:
     side = math.isqrt(config.num_position_embeddings)
     return side, side
+
+
+def _internvl_spec(config: Any) -> PESpec:
+    """InternVL's vision table, resampled as ViT's (bicubic, no antialias); ``'none'`` for a tower built without
+    one (``use_absolute_position_embeddings=False``)."""
+    return dict(name='learned', **_BICUBIC) if config.use_absolute_position_embeddings else 'none'
 
 
 def _pixtral_spec(config: Any) -> Dict[str, Any]:
@@ -451,6 +462,10 @@ FAMILIES: Tuple[VisionFamily, ...] = (
                  'scaling', 'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
                  _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
                  qkv='qkv', heads='num_heads', windows=True, returns_weights=False),
+    # q/k norms over the whole width, a dropout after the output projection; its encoder takes no **kwargs
+    VisionFamily('InternVL vision', ('InternVLVisionModel',), 'encoder.layer', 'attention', 'projection_layer', 'scale',
+                 'attention_dropout', ('cls_token',), 'patch_embeddings', 'embeddings.position_embeddings', 1,
+                 _internvl_spec, threads_kwargs=False, qk_norm=('q_norm', 'k_norm'), out_dropout='projection_dropout'),
     # its own 2D rope; images of their own sizes along one sequence, a block-diagonal mask
     VisionFamily('Pixtral vision', ('PixtralVisionModel',), 'transformer.layers', 'attention', 'o_proj', 'scaling',
                  'dropout', (), None, None, 0, _pixtral_spec, pixtral_positions, unused=('patch_positional_embedding',),
@@ -514,7 +529,8 @@ def _check_layout(tower: nn.Module, family: VisionFamily) -> List[nn.Module]:
     for name in family.prefix + ((family.patch,) if family.patch else ()):
         if not hasattr(embeddings, name):
             raise UnsupportedModelError(f'patch_vision: {type(embeddings).__name__} has no {name!r}: {why}')
-    projections = (family.qkv,) if family.qkv else ('q_proj', 'k_proj', 'v_proj')
+    projections = ((family.qkv,) if family.qkv else ('q_proj', 'k_proj', 'v_proj')) + tuple(family.qk_norm or ()) + (
+        (family.out_dropout,) if family.out_dropout else ())
     for i, layer in enumerate(layers):
         attn = getattr(layer, family.attention, None)
         missing = [a for a in projections + ('head_dim', family.out_proj, family.scale, family.dropout)
@@ -637,12 +653,15 @@ class VisionPatch(ModelPatch):
         fam = self.family
         if fam.layout == 'canvas':  # the host's mask is in canvas order; the tokens run packed
             attention_mask = None
-        q, k, v = (proj(hidden_states).view(b, n, -1, module.head_dim).transpose(1, 2)
-                   for proj in (module.q_proj, module.k_proj, module.v_proj))
+        q, k, v = (proj(hidden_states) for proj in (module.q_proj, module.k_proj, module.v_proj))
+        if fam.qk_norm:  # over the whole width, before the heads are split (InternVL)
+            q, k = getattr(module, fam.qk_norm[0])(q), getattr(module, fam.qk_norm[1])(k)
+        q, k, v = (t.view(b, n, -1, module.head_dim).transpose(1, 2) for t in (q, k, v))
         o = pe_attention(q, k, v, prepared, layer, x=hidden_states, attn_mask=_mask(attention_mask, prepared),
                          scale=getattr(module, fam.scale),
                          dropout_p=getattr(module, fam.dropout) if module.training else 0.0)
-        return getattr(module, fam.out_proj)(o.transpose(1, 2).reshape(b, n, -1)), None
+        o = getattr(module, fam.out_proj)(o.transpose(1, 2).reshape(b, n, -1))
+        return (getattr(module, fam.out_dropout)(o) if fam.out_dropout else o), None
 
     def _running(self, kwargs: Dict[str, Any], what: str) -> _Forward:
         """The running forward of a packed tower, from the call's keyword arguments."""
@@ -769,6 +788,8 @@ def _host_table(tower: nn.Module, family: VisionFamily) -> Optional[Tensor]:
     if family.table is None:
         return None
     table = _path(tower, family.table)
+    if table is None:  # a tower built without its table (InternVL's use_absolute_position_embeddings=False)
+        return None
     table = table.weight if isinstance(table, nn.Embedding) else table
     return table.detach().reshape(1, -1, table.shape[-1])
 
@@ -798,9 +819,11 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
     Args:
         model: a transformers vision encoder (``ViTModel``, ``DeiTModel``, ``Dinov2Model``,
             ``Dinov2WithRegistersModel``, ``DINOv3ViTModel``, ``SiglipVisionModel``, ``Siglip2VisionModel``,
-            ``CLIPVisionModel``, ``Idefics3VisionTransformer``, ``SmolVLMVisionTransformer``, the vision towers of
-            Qwen2-VL, Qwen2.5-VL and Qwen3-VL) or a model holding exactly one (``ViTForImageClassification``,
-            ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``, ``Qwen2VLForConditionalGeneration``, ...).
+            ``CLIPVisionModel``, ``Idefics3VisionTransformer``, ``SmolVLMVisionTransformer``, ``InternVLVisionModel``,
+            ``PixtralVisionModel``, the vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL) or a model holding
+            exactly one (``ViTForImageClassification``, ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``,
+            ``LlavaForConditionalGeneration``, ``PaliGemmaForConditionalGeneration``, ``InternVLModel``,
+            ``Qwen2VLForConditionalGeneration``, ...).
         pe: any vispe encoding spec (``'rope_mixed'``, ``'liere'``, ``'irpe+learned'``, ...); None: the
             model's own encoding, computed by vispe (module docstring); ``'none'``: no encoding (NoPE).
         options: options of the encoding (override the spec's).
