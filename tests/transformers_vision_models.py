@@ -241,3 +241,22 @@ def packed_images(kind: str, batch: Dict[str, torch.Tensor]):
         end = start + t * h * w
         yield (start, end), dict(hidden_states=batch['hidden_states'][start:end], grid_thw=torch.tensor([(t, h, w)]))
         start = end
+
+
+# ------------------------------------------------------------------ video: VideoMAE's tubelets
+VIDEO_NATIVE = (4, 32, 32)          # frames, height, width: a 2 x 4 x 4 grid of tubelets 2 x 8 x 8
+VIDEO_OTHER = (6, 40, 24)           # 3 x 5 x 3
+
+
+def build_videomae() -> nn.Module:
+    """The tiny VideoMAE encoder (width 48: a 3D sin-cos table splits it in 6), in eval mode."""
+    torch.manual_seed(0)
+    config = transformers.VideoMAEConfig(image_size=NATIVE[0], patch_size=PATCH, num_frames=VIDEO_NATIVE[0],
+                                         tubelet_size=2, **{**_SIZES, 'hidden_size': 48})  # 3 axes x sin, cos
+    return sharpen(transformers.VideoMAEModel(config)).eval()
+
+
+def video_inputs(size=VIDEO_NATIVE, batch: int = 2, seed: int = 0) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    frames, h, w = size
+    return dict(pixel_values=torch.randn(batch, frames, 3, h, w, generator=g))

@@ -242,13 +242,21 @@ class SinCosPE(AdditivePE):
     ``layout='big_vision'`` uses ``w_k = 1 / 10000^(k / (G/2 - 1))`` (big_vision's
     ``posemb_sincos_2d``). ``axis_order='grid'`` puts the groups in grid order instead (y = row first,
     then x): with ``layout='mae'`` that is the ``[sin_h | cos_h | sin_w | cos_w]`` table of RT-DETR's
-    hybrid encoder (Zhao et al., CVPR 2024) as transformers builds it. Prefix tokens get zeros.
+    hybrid encoder (Zhao et al., CVPR 2024) as transformers builds it. ``pairing='interleaved'`` orders a
+    group ``[sin(p w_0), cos(p w_0), sin(p w_1), ...]`` (the Transformer's table, Vaswani et al. 2017).
+    ``flatten=True`` encodes one coordinate, each token's row-major index in its grid (``t * h * w + ...``),
+    computed in float64 (such indices reach the thousands, where float32 angles lose 1e-4): with
+    ``pairing='interleaved'`` the 1D table VideoMAE adds to its tubelets (Tong et al., NeurIPS 2022). Prefix
+    tokens get zeros.
 
     Args:
         layout: frequency convention, ``'mae'`` or ``'big_vision'``.
         temperature: the base (10000).
-        grid_mode: ``index`` (extrapolate) or ``normalized`` (rescaled to the training grid).
+        grid_mode: ``index`` (extrapolate) or ``normalized`` (rescaled to the training grid); unused with
+            ``flatten``.
         axis_order: ``reversed`` (x first, MAE) or ``grid`` (y first, RT-DETR).
+        pairing: ``halves`` (all sines, then all cosines, per group) or ``interleaved``.
+        flatten: encode the row-major index of each token in its grid instead of its coordinates.
     """
     larger_input = 'extrapolate'
     paper = 'He et al., CVPR 2022 (MAE); Vaswani et al. 2017'
@@ -261,31 +269,57 @@ class SinCosPE(AdditivePE):
             temperature: float = 10000.0,
             grid_mode: GridMode = 'index',
             axis_order: Literal['reversed', 'grid'] = 'reversed',
+            pairing: Literal['halves', 'interleaved'] = 'halves',
+            flatten: bool = False,
     ) -> None:
         super().__init__(ctx)
         self.layout = layout
         self.temperature = check_positive(self.name, 'temperature', temperature)
         self.grid_mode = grid_mode
         self.axis_order = axis_order
+        self.pairing = pairing
+        self.flatten = bool(flatten)
 
     def table(self, coords: torch.Tensor) -> torch.Tensor:
-        """The ``(..., N, C)`` sin-cos features of ``(..., N, D)`` coordinates."""
+        """The ``(..., N, C)`` sin-cos features of ``(..., N, D)`` coordinates (float64 coordinates are
+        computed in float64, the features returned in float32)."""
         dim, axes = self.ctx.dim, coords.shape[-1]
         if dim % (2 * axes):
             raise ValueError(f"encoding 'sincos' needs dim divisible by {2 * axes} for {axes} axes, got dim={dim}")
         group = dim // axes
         half = group // 2
         denom = half - 1 if self.layout == 'big_vision' else half
-        omega = axial_frequencies(half, self.temperature, step=1.0, dim=max(denom, 1), device=coords.device)
+        dtype = torch.float64 if coords.dtype == torch.float64 else torch.float32
+        omega = axial_frequencies(half, self.temperature, step=1.0, dim=max(denom, 1), device=coords.device,
+                                  dtype=dtype)
         parts = []
         for a in (reversed(range(axes)) if self.axis_order == 'reversed' else range(axes)):
-            angle = coords[..., a:a + 1].float() * omega
-            parts += [angle.sin(), angle.cos()]
-        return torch.cat(parts, dim=-1)
+            angle = coords[..., a:a + 1].to(dtype) * omega
+            if self.pairing == 'interleaved':
+                parts.append(torch.stack([angle.sin(), angle.cos()], -1).flatten(-2))
+            else:
+                parts += [angle.sin(), angle.cos()]
+        return torch.cat(parts, dim=-1).float()
+
+    def _flat_index(self, pos: Positions) -> torch.Tensor:
+        """``(..., N, 1)`` float64 row-major index of each token in its grid (each sample's own in a NaFlex
+        batch; the grid the tokens were selected from after token dropping)."""
+        grids = pos.index_grids or ((pos.index_grid,) if pos.index_grid is not None else None)
+        if grids is None:
+            raise ValueError("encoding 'sincos' with flatten=True needs grid positions (vispe.positions.grid), "
+                             'got a point set')
+        strides = torch.tensor([[math.prod(g[a + 1:]) for a in range(len(g))] for g in grids],
+                               dtype=torch.float64, device=pos.device)
+        coords = pos.coords.to(torch.float64)
+        index = coords @ strides[0] if len(grids) == 1 else (coords * strides[:, None, :]).sum(-1)
+        return index.unsqueeze(-1)
 
     def _rows(self, pos: Positions) -> torch.Tensor:
+        if self.flatten:
+            return self.table(self._flat_index(pos))
         return self.table(grid_coordinates(pos, self.grid_mode))
 
     def encode(self, coords: torch.Tensor) -> torch.Tensor:
-        """The sin-cos features of continuous coordinates ``(..., D)`` (`table`)."""
+        """The sin-cos features of continuous coordinates ``(..., D)`` (`table`; with ``flatten`` the
+        coordinates are the flat indices themselves, ``(..., 1)``)."""
         return self.table(coords)

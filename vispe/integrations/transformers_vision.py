@@ -279,6 +279,48 @@ def pixtral_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[A
     return varlen_layout(thw, 1, family.native_grid(tower.config))
 
 
+def video_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                    ) -> Positions:
+    """The positions of a video tower's forward: the grid ``(T / tubelet, H / p, W / p)`` of ``pixel_values``
+    ``(B, T, C, H, W)``, the configured clip as training grid.
+
+    Raises:
+        ValueError: pixel_values of another layout, or a size the tubelet does not divide.
+    """
+    pixels = _argument(args, kwargs, 0, 'pixel_values')
+    if not torch.is_tensor(pixels) or pixels.dim() != 5:
+        shape = tuple(pixels.shape) if torch.is_tensor(pixels) else type(pixels).__name__
+        raise ValueError(f'patch_vision ({family.label}): pixel_values must be a (B, frames, C, H, W) tensor, '
+                         f'got {shape}')
+    config = tower.config
+    tubelet = (int(config.tubelet_size), *_pair(config.patch_size))
+    size = (pixels.shape[1], *pixels.shape[-2:])
+    if any(n % t for n, t in zip(size, tubelet)):
+        raise ValueError(f'patch_vision ({family.label}): {size[0]} frames of {size[1]}x{size[2]} are not divisible '
+                         f'by the tubelet {tubelet[0]}x{tubelet[1]}x{tubelet[2]} (frames x height x width); use '
+                         f'multiples of it')
+    return grid(*(n // t for n, t in zip(size, tubelet)), train_grid=family.native_grid(config), device=pixels.device)
+
+
+def _kept_tokens(family: 'VisionFamily', masked: Any, num_tokens: int) -> Tensor:
+    """``(B, K)`` indices of the tokens ``bool_masked_pos`` keeps, in order (as the host gathers them)."""
+    if not torch.is_tensor(masked) or masked.dim() != 2 or masked.shape[1] != num_tokens:
+        shape = tuple(masked.shape) if torch.is_tensor(masked) else type(masked).__name__
+        raise ValueError(f'patch_vision ({family.label}): bool_masked_pos must be (B, {num_tokens}), True on the '
+                         f'masked tokens, got {shape}')
+    kept = ~masked.bool()
+    counts = kept.sum(1)
+    if bool((counts != counts[0]).any()):
+        raise ValueError(f'patch_vision ({family.label}): bool_masked_pos must mask as many tokens in every sample '
+                         f'(the host stacks the kept ones), got {counts.tolist()} kept')
+    return kept.nonzero()[:, 1].view(masked.shape[0], -1)
+
+
+def _native_video_grid(config: Any) -> Tuple[int, int, int]:
+    (h, w), (ph, pw) = _pair(config.image_size), _pair(config.patch_size)
+    return int(config.num_frames) // int(config.tubelet_size), h // ph, w // pw
+
+
 # ----------------------------------------------------------------------------------------- the family table
 def _native_image_grid(config: Any) -> Tuple[int, int]:
     (h, w), (ph, pw) = _pair(config.image_size), _pair(config.patch_size)
@@ -299,7 +341,8 @@ class VisionFamily:
         towers: class names of the tower (the module holding ``embeddings`` and the layers).
         layers: dotted path from the tower to its list of layers.
         attention: the attention module's attribute on a layer.
-        out_proj, scale, dropout: the attention's output projection, logit scale and dropout attributes.
+        out_proj, scale, dropout: the attention's output projection (None: the host applies it after the
+            module), logit scale and dropout attributes.
         prefix: the embeddings' prefix-token parameters, in sequence order (``register_tokens`` counts
             ``config.num_register_tokens`` tokens, the others one each).
         patch: the embeddings' patch-embedding module (a conv whose output is flattened, or a linear map
@@ -336,12 +379,18 @@ class VisionFamily:
             the output alone).
         qk_norm: the attention's q and k norms over the projections' whole width (InternVL), None without.
         out_dropout: the attention's dropout after its output projection, None without.
+        projections: the attention's q, k and v projections (without a fused ``qkv``); ``head_dim``: its
+            attribute holding the head width.
+        embeddings_forward: the handle's method that replaces the embeddings' forward (``'_embeddings'``,
+            ``'_packed_embeddings'``, ``'_tubelet_embeddings'``).
+        drops_masked: ``bool_masked_pos`` drops the masked tokens (VideoMAE's pretraining): the attentions get
+            the encoding prepared for the kept tokens (`vispe.PreparedPE.select`), the embeddings the whole grid.
     """
     label: str
     towers: Tuple[str, ...]
     layers: str
     attention: str
-    out_proj: str
+    out_proj: Optional[str]
     scale: str
     dropout: str
     prefix: Tuple[str, ...]
@@ -363,6 +412,10 @@ class VisionFamily:
     returns_weights: bool = True
     qk_norm: Optional[Tuple[str, str]] = None
     out_dropout: Optional[str] = None
+    projections: Tuple[str, str, str] = ('q_proj', 'k_proj', 'v_proj')
+    head_dim: str = 'head_dim'
+    embeddings_forward: str = '_embeddings'
+    drops_masked: bool = False
 
     def num_prefix(self, config: Any) -> int:
         return sum(int(config.num_register_tokens) if p == 'register_tokens' else 1 for p in self.prefix)
@@ -406,6 +459,12 @@ def _internvl_spec(config: Any) -> PESpec:
     """InternVL's vision table, resampled as ViT's (bicubic, no antialias); ``'none'`` for a tower built without
     one (``use_absolute_position_embeddings=False``)."""
     return dict(name='learned', **_BICUBIC) if config.use_absolute_position_embeddings else 'none'
+
+
+def _videomae_spec(config: Any) -> Dict[str, Any]:
+    """VideoMAE's ``get_sinusoid_encoding_table`` as ``sincos``: the Transformer's 1D table (interleaved sines
+    and cosines, ``10000^(-2k / C)``) over each tubelet's row-major index."""
+    return dict(name='sincos', flatten=True, pairing='interleaved')
 
 
 def _pixtral_spec(config: Any) -> Dict[str, Any]:
@@ -456,11 +515,11 @@ FAMILIES: Tuple[VisionFamily, ...] = (
     # one sequence of images and frames attended in segments (cu_seqlens), merge-block token order, fused qkv
     VisionFamily('Qwen2-VL vision', ('Qwen2VisionTransformerPretrainedModel',), 'blocks', 'attn', 'proj', 'scaling',
                  'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
-                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed', embeddings_forward='_packed_embeddings',
                  qkv='qkv', width='embed_dim', heads='num_heads', returns_weights=False),
     VisionFamily('Qwen2.5-VL vision', ('Qwen2_5_VisionTransformerPretrainedModel',), 'blocks', 'attn', 'proj',
                  'scaling', 'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
-                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed', embeddings_forward='_packed_embeddings',
                  qkv='qkv', heads='num_heads', windows=True, returns_weights=False),
     # q/k norms over the whole width, a dropout after the output projection; its encoder takes no **kwargs
     VisionFamily('InternVL vision', ('InternVLVisionModel',), 'encoder.layer', 'attention', 'projection_layer', 'scale',
@@ -469,11 +528,16 @@ FAMILIES: Tuple[VisionFamily, ...] = (
     # its own 2D rope; images of their own sizes along one sequence, a block-diagonal mask
     VisionFamily('Pixtral vision', ('PixtralVisionModel',), 'transformer.layers', 'attention', 'o_proj', 'scaling',
                  'dropout', (), None, None, 0, _pixtral_spec, pixtral_positions, unused=('patch_positional_embedding',),
-                 layout='varlen', embeddings='ln_pre'),
+                 layout='varlen', embeddings='ln_pre', embeddings_forward='_packed_embeddings'),
+    # tubelets of a video; a fixed 1D sin-cos table over the token index; masked tokens dropped in pretraining
+    VisionFamily('VideoMAE', ('VideoMAEModel',), 'encoder.layer', 'attention.attention', None, 'scaling',
+                 'dropout_prob', (), 'patch_embeddings', None, 0, _videomae_spec, video_positions,
+                 _native_video_grid, threads_kwargs=False, projections=('query', 'key', 'value'),
+                 head_dim='attention_head_size', embeddings_forward='_tubelet_embeddings', drops_masked=True),
     # the rope and a learned table, resampled by bilinear taps with aligned corners; deepstack mergers
     VisionFamily('Qwen3-VL vision', ('Qwen3VLVisionModel', 'Qwen3VLMoeVisionModel'), 'blocks', 'attn', 'proj',
                  'scaling', 'attention_dropout', (), None, 'pos_embed', 0, _qwen3_spec, varlen_positions,
-                 _native_table_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 _native_table_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed', embeddings_forward='_packed_embeddings',
                  qkv='qkv', heads='num_heads', zeroed=('pos_embed',), returns_weights=False),
 )
 SUPPORTED_TOWERS = tuple(t for f in FAMILIES for t in f.towers)
@@ -529,11 +593,14 @@ def _check_layout(tower: nn.Module, family: VisionFamily) -> List[nn.Module]:
     for name in family.prefix + ((family.patch,) if family.patch else ()):
         if not hasattr(embeddings, name):
             raise UnsupportedModelError(f'patch_vision: {type(embeddings).__name__} has no {name!r}: {why}')
-    projections = ((family.qkv,) if family.qkv else ('q_proj', 'k_proj', 'v_proj')) + tuple(family.qk_norm or ()) + (
-        (family.out_dropout,) if family.out_dropout else ())
+    projections = ((family.qkv,) if family.qkv else family.projections) + tuple(family.qk_norm or ()) + (
+        (family.out_dropout,) if family.out_dropout else ()) + ((family.out_proj,) if family.out_proj else ())
     for i, layer in enumerate(layers):
-        attn = getattr(layer, family.attention, None)
-        missing = [a for a in projections + ('head_dim', family.out_proj, family.scale, family.dropout)
+        try:
+            attn = _path(layer, family.attention)
+        except AttributeError:
+            attn = None
+        missing = [a for a in projections + (family.head_dim, family.scale, family.dropout)
                    if not hasattr(attn, a)]
         if missing:
             raise UnsupportedModelError(f'patch_vision: layer {i} of {type(tower).__name__} has no '
@@ -546,11 +613,13 @@ def _check_layout(tower: nn.Module, family: VisionFamily) -> List[nn.Module]:
 class _Forward:
     """One running forward: the prepared encoding and, for a padded canvas, its packed layout; for a packed
     tower (``'varlen'``) its layouts and the encoding prepared for its windows (None without windows or
-    without attention hooks)."""
+    without attention hooks); where masked tokens are dropped, the encoding prepared for the whole grid, which
+    the embeddings take (``prepared`` is then for the kept tokens)."""
     prepared: PreparedPE
     packed: Optional[PaddedGrid] = None
     layout: Optional[VarlenLayout] = None
     windows: Optional[PreparedPE] = None
+    embedded: Optional[PreparedPE] = None
 
 
 class VisionPatch(ModelPatch):
@@ -589,8 +658,14 @@ class VisionPatch(ModelPatch):
             return args, {**kwargs, PREPARED_KWARG: prepared, LAYOUT_KWARG: current}
         packed = pack_padded_grid(pos) if self.family.layout == 'canvas' and pos.key_padding_mask is not None else None
         prepared = self.encoding.prepare(packed.positions if packed is not None else pos)
-        self._forwards.append(_Forward(prepared, packed))
-        return args, {**kwargs, PREPARED_KWARG: prepared}
+        masked = _argument(args, kwargs, 1, 'bool_masked_pos') if self.family.drops_masked else None
+        if masked is not None:  # the attentions see the kept tokens, the embeddings the whole grid
+            kept = _kept_tokens(self.family, masked, pos.coords.shape[-2])
+            current = _Forward(prepared.select(kept), embedded=prepared)
+        else:
+            current = _Forward(prepared, packed)
+        self._forwards.append(current)
+        return args, {**kwargs, PREPARED_KWARG: current.prepared}
 
     def _end(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         """The tower's forward hook (also when the forward raises): packed tokens back in canvas order;
@@ -644,6 +719,21 @@ class VisionPatch(ModelPatch):
         dropout = getattr(embeddings, 'dropout', None)
         return dropout(x) if isinstance(dropout, nn.Module) else x
 
+    def _tubelet_embeddings(self, embeddings: nn.Module, pixel_values: Tensor,
+                            bool_masked_pos: Optional[Tensor] = None, *args: Any, **kwargs: Any) -> Tensor:
+        """The forward of a video tower's embeddings (VideoMAE): the tubelet projection of ``(B, T, C, H, W)``
+        pixels as transformers defines it (at any size the tubelet divides: its own forward refuses all but
+        the configured one), the encoding's additive part in place of the host's table, then the masked
+        tokens dropped."""
+        patch = getattr(embeddings, self.family.patch)
+        x = patch.projection(pixel_values.permute(0, 2, 1, 3, 4).to(patch.projection.weight.dtype))
+        x = x.flatten(2).transpose(1, 2)
+        current = self._current()
+        x = (current.embedded or current.prepared).embed(x)
+        if bool_masked_pos is not None:
+            x = x[~bool_masked_pos].reshape(x.shape[0], -1, x.shape[-1])
+        return x
+
     def _attention(self, module: nn.Module, layer: int, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
                    *args: Any, **kwargs: Any) -> Tuple[Tensor, None]:
         """The forward of one self-attention ``module`` of the tower (its q/k/v projections, `vispe.pe_attention`
@@ -653,14 +743,17 @@ class VisionPatch(ModelPatch):
         fam = self.family
         if fam.layout == 'canvas':  # the host's mask is in canvas order; the tokens run packed
             attention_mask = None
-        q, k, v = (proj(hidden_states) for proj in (module.q_proj, module.k_proj, module.v_proj))
+        q, k, v = (getattr(module, proj)(hidden_states) for proj in fam.projections)
         if fam.qk_norm:  # over the whole width, before the heads are split (InternVL)
             q, k = getattr(module, fam.qk_norm[0])(q), getattr(module, fam.qk_norm[1])(k)
-        q, k, v = (t.view(b, n, -1, module.head_dim).transpose(1, 2) for t in (q, k, v))
+        head_dim = getattr(module, fam.head_dim)
+        q, k, v = (t.view(b, n, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         o = pe_attention(q, k, v, prepared, layer, x=hidden_states, attn_mask=_mask(attention_mask, prepared),
                          scale=getattr(module, fam.scale),
                          dropout_p=getattr(module, fam.dropout) if module.training else 0.0)
-        o = getattr(module, fam.out_proj)(o.transpose(1, 2).reshape(b, n, -1))
+        o = o.transpose(1, 2).reshape(b, n, -1)
+        if fam.out_proj:  # else the host applies it after this module (VideoMAE)
+            o = getattr(module, fam.out_proj)(o)
         return (getattr(module, fam.out_dropout)(o) if fam.out_dropout else o), None
 
     def _running(self, kwargs: Dict[str, Any], what: str) -> _Forward:
@@ -699,11 +792,11 @@ class VisionPatch(ModelPatch):
         if fam.qkv:
             tokens = packing.pack(getattr(module, fam.qkv)(x))  # (S, n, 3C)
             s, n, _ = tokens.shape
-            q, k, v = tokens.view(s, n, 3, -1, module.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k, v = tokens.view(s, n, 3, -1, getattr(module, fam.head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
         else:
-            q, k, v = (packing.pack(proj(x)) for proj in (module.q_proj, module.k_proj, module.v_proj))
+            q, k, v = (packing.pack(getattr(module, proj)(x)) for proj in fam.projections)
             s, n, _ = q.shape
-            q, k, v = (t.view(s, n, -1, module.head_dim).transpose(1, 2) for t in (q, k, v))
+            q, k, v = (t.view(s, n, -1, getattr(module, fam.head_dim)).transpose(1, 2) for t in (q, k, v))
         needs_x = prepared is not None and prepared.capabilities.needs_tokens
         pad = packing.positions.key_padding_mask
         o = pe_attention(q, k, v, prepared, layer, x=packing.pack(x) if needs_x else None,
@@ -743,7 +836,7 @@ class VisionPatch(ModelPatch):
         self.add_hook(tower, self._end, with_kwargs=True, always_call=True)
         packed = fam.layout == 'varlen'
         embeddings = _path(tower, fam.embeddings)
-        forward = self._packed_embeddings if packed else self._embeddings
+        forward = getattr(self, fam.embeddings_forward)
         self.set(embeddings, 'forward', partial(forward, embeddings), fam.embeddings)
         for name in fam.unused:
             self.set(_path(tower, name), 'forward', self._skipped, name)
@@ -752,7 +845,7 @@ class VisionPatch(ModelPatch):
             self.set(zeroed, 'forward', partial(self._zero, zeroed), name)
         attention = self._packed_attention if packed else self._attention
         for i, layer in enumerate(layers):
-            attn = getattr(layer, fam.attention)
+            attn = _path(layer, fam.attention)
             self.set(attn, 'forward', partial(attention, attn, i), f'{fam.layers}.{i}.{fam.attention}')
             if caps.between_blocks:
                 self.add_hook(layer, partial(self._between_blocks, i), with_kwargs=True, label=f'{fam.layers}.{i}')
@@ -843,9 +936,9 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
     config = tower.config
     if pe is None:
         pe = own_spec(family, config)
-    first = getattr(layers[0], family.attention) if layers else None
+    first = _path(layers[0], family.attention) if layers else None
     heads, width = int(getattr(config, family.heads)), int(getattr(config, family.width))
-    head_dim = first.head_dim if first is not None else width // heads
+    head_dim = getattr(first, family.head_dim) if first is not None else width // heads
     grid_size = family.native_grid(config)
     ctx = PEContext(dim=width, num_heads=heads, head_dim=head_dim, depth=len(layers), grid_size=grid_size,
                     num_prefix_tokens=family.num_prefix(config))
