@@ -2,7 +2,7 @@
 
 ``patch_vision(model, 'liere')`` makes a transformers ViT / DeiT, DINOv2 (with registers too), DINOv3-ViT,
 SigLIP, SigLIP 2 (NaFlex), CLIP, Idefics3 / SmolVLM, InternVL, Pixtral or Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision
-encoder, or a model that holds one (an image classifier, a whole ``SiglipModel`` / ``CLIPModel`` / VLM: LLaVA,
+encoder, or the VideoMAE video encoder, or a model that holds one (an image classifier, a whole ``SiglipModel`` / ``CLIPModel`` / VLM: LLaVA,
 PaliGemma, Idefics3 / SmolVLM, InternVL, Mistral3, Qwen-VL; its vision tower is found), position its image tokens
 with a vispe encoding.
 On that instance only (transformers' classes, modules and registries stay untouched) it:
@@ -64,7 +64,10 @@ DINOv3-ViT ``rope_timm`` with ``rope_type='dinov3'`` and the config's ``rope_the
 augmentations (computed in float32 also after ``.to(torch.bfloat16)``, where transformers' own
 ``inv_freq`` buffer is rounded); the Qwen-VL towers ``rope_timm`` with ``rope_type='cat'``, ``rotate_half=True``
 (integer indices, row then column), Qwen3-VL with ``learned`` beside it (``interpolation='bilinear'``,
-``align_corners=True``, ``resample='weights'``: `get_vision_interpolation_indices_and_weights`).
+``align_corners=True``, ``resample='weights'``: `get_vision_interpolation_indices_and_weights`); Pixtral
+``rope_timm`` with ``axis_bands='alternating'``; InternVL ``learned`` as ViT; VideoMAE ``sincos`` with
+``flatten=True`` and ``pairing='interleaved'`` (its 1D table over the tubelet index, at the configured clip; the
+flat index continues at other clips).
 
 How to add a family. A family is one `VisionFamily` row of `FAMILIES`: the tower classes it covers, where
 the layers and their attention are, the names of the attention's output projection, scale and dropout, the
