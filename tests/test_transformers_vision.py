@@ -14,7 +14,7 @@ transformers = pytest.importorskip('transformers')
 
 import vispe  # noqa: E402
 from vispe.extras import UnsupportedVersionError  # noqa: E402
-from vispe.integrations import AlreadyPatchedError, UnsupportedModelError, patch_vision  # noqa: E402
+from vispe.integrations import UnsupportedModelError, patch_vision  # noqa: E402
 
 from adapter_checks import check_deepcopy, check_one_patch_per_tree, check_pickle  # noqa: E402
 from conftest import image_pes  # noqa: E402

@@ -17,7 +17,7 @@ from vispe.integrations._vision_packed import varlen_layout  # noqa: E402
 from adapter_checks import check_deepcopy, check_one_patch_per_tree, check_pickle  # noqa: E402
 from conftest import image_pes  # noqa: E402
 from transformers_vision_models import (  # noqa: E402
-    PACKED_FAMILIES, QWEN_FAMILIES, QWEN_NATIVE, QWEN_OTHER, QWEN_PACKED, build_packed, build_qwen, build_qwen_vlm,
+    PACKED_FAMILIES, QWEN_FAMILIES, QWEN_NATIVE, QWEN_PACKED, build_packed, build_qwen, build_qwen_vlm,
     packed_images, packed_inputs, qwen_config, qwen_inputs, qwen_vlm_inputs,
 )
 
@@ -306,3 +306,19 @@ def test_pixtral_rope_is_rope_timm_with_alternating_axis_bands():
     angles = pe.angles(vispe.positions.grid(5, 7))  # (N, hd / 2): rotate-half pairs (j, j + hd / 2)
     torch.testing.assert_close(torch.cat([angles.cos()] * 2, -1), cos, rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.cat([angles.sin()] * 2, -1), sin, rtol=0, atol=1e-6)
+
+
+def test_qwen3_vl_moe_tower_is_the_qwen3_vl_family():
+    """Qwen3-VL-MoE's vision tower is Qwen3-VL's under another class: the same patch, at parity."""
+    from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe
+    config = transformers.Qwen3VLMoeConfig().vision_config.__class__(
+        **{k: v for k, v in qwen_config('qwen3_vl').to_dict().items() if k not in ('model_type', 'transformers_version')})
+    torch.manual_seed(0)
+    model = modeling_qwen3_vl_moe.Qwen3VLMoeVisionModel(config).eval()
+    x = qwen_inputs(QWEN_PACKED)
+    with torch.no_grad():
+        want = _outputs(model(**x))
+        with patch_vision(model) as handle:
+            assert handle.family.label == 'Qwen3-VL vision'
+            got = _outputs(model(**x))
+    assert max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)) <= PARITY

@@ -14,7 +14,7 @@ from vispe.integrations import patch_vision  # noqa: E402
 
 from adapter_checks import check_deepcopy, check_one_patch_per_tree, check_pickle  # noqa: E402
 from conftest import image_pes  # noqa: E402
-from transformers_vision_models import VIDEO_NATIVE, VIDEO_OTHER, build_videomae, sharpen, video_inputs  # noqa: E402
+from transformers_vision_models import VIDEO_OTHER, build_videomae, sharpen, video_inputs  # noqa: E402
 
 PARITY = 1e-6
 # encodings defined on a 2D plane (or DETR's 2D sine): a video tower refuses them with an error naming 2D

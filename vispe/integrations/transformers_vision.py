@@ -518,12 +518,14 @@ FAMILIES: Tuple[VisionFamily, ...] = (
     # one sequence of images and frames attended in segments (cu_seqlens), merge-block token order, fused qkv
     VisionFamily('Qwen2-VL vision', ('Qwen2VisionTransformerPretrainedModel',), 'blocks', 'attn', 'proj', 'scaling',
                  'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
-                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed', embeddings_forward='_packed_embeddings',
-                 qkv='qkv', width='embed_dim', heads='num_heads', returns_weights=False),
+                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 embeddings_forward='_packed_embeddings', qkv='qkv',
+                 width='embed_dim', heads='num_heads', returns_weights=False),
     VisionFamily('Qwen2.5-VL vision', ('Qwen2_5_VisionTransformerPretrainedModel',), 'blocks', 'attn', 'proj',
                  'scaling', 'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
-                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed', embeddings_forward='_packed_embeddings',
-                 qkv='qkv', heads='num_heads', windows=True, returns_weights=False),
+                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 embeddings_forward='_packed_embeddings', qkv='qkv',
+                 heads='num_heads', windows=True, returns_weights=False),
     # q/k norms over the whole width, a dropout after the output projection; its encoder takes no **kwargs
     VisionFamily('InternVL vision', ('InternVLVisionModel',), 'encoder.layer', 'attention', 'projection_layer', 'scale',
                  'attention_dropout', ('cls_token',), 'patch_embeddings', 'embeddings.position_embeddings', 1,
@@ -540,8 +542,9 @@ FAMILIES: Tuple[VisionFamily, ...] = (
     # the rope and a learned table, resampled by bilinear taps with aligned corners; deepstack mergers
     VisionFamily('Qwen3-VL vision', ('Qwen3VLVisionModel', 'Qwen3VLMoeVisionModel'), 'blocks', 'attn', 'proj',
                  'scaling', 'attention_dropout', (), None, 'pos_embed', 0, _qwen3_spec, varlen_positions,
-                 _native_table_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed', embeddings_forward='_packed_embeddings',
-                 qkv='qkv', heads='num_heads', zeroed=('pos_embed',), returns_weights=False),
+                 _native_table_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 embeddings_forward='_packed_embeddings', qkv='qkv',
+                 heads='num_heads', zeroed=('pos_embed',), returns_weights=False),
 )
 SUPPORTED_TOWERS = tuple(t for f in FAMILIES for t in f.towers)
 _BY_TOWER = {t: f for f in FAMILIES for t in f.towers}
