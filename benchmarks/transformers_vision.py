@@ -11,11 +11,17 @@ mostly measures the other jobs. On a GPU (``--device cuda``) wall time with sync
 
     python benchmarks/transformers_vision.py                            # ViT, 224 px, batch 8
     python benchmarks/transformers_vision.py --family siglip --pes rope_mixed liere
+    python benchmarks/transformers_vision.py --family qwen2_5_vl --preset vit-l --depth 8
     python benchmarks/transformers_vision.py --device cuda --batch 64 --dtype bfloat16
+
+The Qwen-VL towers (``--family qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) take the batch as ``batch`` images of
+``img`` pixels along one sequence (``grid_thw``); ``--preset vit-l`` gives them (and the others) the width of
+Qwen2-VL's ViT-L-size tower (1280 wide, 16 heads, patch 14).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from typing import Callable, Dict, List
@@ -35,29 +41,60 @@ MODELS = {  # --family -> (config class, model class)
     'siglip': ('SiglipVisionConfig', 'SiglipVisionModel'),
     'clip': ('CLIPVisionConfig', 'CLIPVisionModel'),
     'dinov3': ('DINOv3ViTConfig', 'DINOv3ViTModel'),
+    'qwen2_vl': ('Qwen2VLVisionConfig', 'qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel'),
+    'qwen2_5_vl': ('Qwen2_5_VLVisionConfig', 'qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel'),
+    'qwen3_vl': ('Qwen3VLVisionConfig', 'qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel'),
 }
+PRESETS = {'small': dict(width=384, patch=16), 'vit-l': dict(width=1280, patch=14)}
 PES = ['learned', 'rope_axial', 'rope_mixed', 'liere', 'comrope_ld', 'irpe', 'peg']
 
 
+def _qwen_config(family: str, args: argparse.Namespace) -> transformers.PretrainedConfig:
+    side = args.img // args.patch
+    shared = dict(depth=args.depth, num_heads=args.width // 64, patch_size=args.patch, attn_implementation='sdpa')
+    if family == 'qwen2_vl':
+        return transformers.Qwen2VLVisionConfig(embed_dim=args.width, hidden_size=args.width, mlp_ratio=4, **shared)
+    sizes = dict(hidden_size=args.width, intermediate_size=4 * args.width, out_hidden_size=args.width)
+    if family == 'qwen2_5_vl':  # its windows of 112 pixels; every fourth block global, the last among them
+        full = list(range(args.depth - 1, -1, -4))[::-1]
+        return transformers.Qwen2_5_VLVisionConfig(fullatt_block_indexes=full, **sizes, **shared)
+    return transformers.Qwen3VLVisionConfig(num_position_embeddings=side * side, deepstack_visual_indexes=[0],
+                                            **sizes, **shared)
+
+
 def build(family: str, args: argparse.Namespace) -> torch.nn.Module:
-    config_cls, model_cls = (getattr(transformers, n) for n in MODELS[family])
     torch.manual_seed(0)
+    if family.startswith('qwen'):
+        module, name = MODELS[family][1].rsplit('.', 1)
+        model = getattr(importlib.import_module(f'transformers.models.{module}'), name)(_qwen_config(family, args))
+        return model.to(device=args.device, dtype=getattr(torch, args.dtype))
+    config_cls, model_cls = (getattr(transformers, n) for n in MODELS[family])
     config = config_cls(hidden_size=args.width, num_hidden_layers=args.depth, num_attention_heads=args.width // 64,
                         intermediate_size=4 * args.width, image_size=args.img, patch_size=args.patch,
                         attn_implementation='sdpa')
     return model_cls(config).to(device=args.device, dtype=getattr(torch, args.dtype))
 
 
-def step(model: torch.nn.Module, x: torch.Tensor, train: bool) -> Callable[[], None]:
+def inputs(family: str, args: argparse.Namespace, device: torch.device) -> Dict[str, torch.Tensor]:
+    """One forward's inputs: a batch of images, or for a Qwen-VL tower the same images along one sequence."""
+    dtype = getattr(torch, args.dtype)
+    if family.startswith('qwen'):
+        side = args.img // args.patch
+        patches = torch.randn(args.batch * side * side, 3 * 2 * args.patch ** 2, device=device, dtype=dtype)
+        return dict(hidden_states=patches, grid_thw=torch.tensor([[1, side, side]] * args.batch, device=device))
+    return dict(pixel_values=torch.randn(args.batch, 3, args.img, args.img, device=device, dtype=dtype))
+
+
+def step(model: torch.nn.Module, x: Dict[str, torch.Tensor], train: bool) -> Callable[[], None]:
     model.train(train)
 
     def run() -> None:
         if train:
             model.zero_grad(set_to_none=True)
-            model(pixel_values=x).last_hidden_state.float().square().mean().backward()
+            model(**x).last_hidden_state.float().square().mean().backward()
         else:
             with torch.no_grad():
-                model(pixel_values=x)
+                model(**x)
     return run
 
 
@@ -65,20 +102,26 @@ def main(argv: List[str] = None) -> Dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--family', default='vit', choices=tuple(MODELS))
     p.add_argument('--pes', nargs='*', default=PES, help='encodings timed against pe=none')
-    p.add_argument('--width', type=int, default=384)
+    p.add_argument('--preset', default='small', choices=tuple(PRESETS),
+                   help='width and patch: small (384, 16) or vit-l (1280, 14: Qwen2-VL\'s tower); --width / --patch '
+                        'override')
+    p.add_argument('--width', type=int, default=None)
     p.add_argument('--depth', type=int, default=4)
     p.add_argument('--img', type=int, default=224)
-    p.add_argument('--patch', type=int, default=16)
+    p.add_argument('--patch', type=int, default=None)
     p.add_argument('--batch', type=int, default=8)
     p.add_argument('--rounds', type=int, default=7)
     p.add_argument('--threads', type=int, default=1)
     p.add_argument('--device', default='cpu')
     p.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
     a = p.parse_args(argv)
+    for name, value in PRESETS[a.preset].items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     clock = 'process' if device.type == 'cpu' else 'wall'
-    x = torch.randn(a.batch, 3, a.img, a.img, device=device, dtype=getattr(torch, a.dtype))
+    x = inputs(a.family, a, device)
     models = {'unpatched': build(a.family, a)}
     models['own (pe=None)'] = build(a.family, a)
     own = patch_vision(models['own (pe=None)']).encoding.name
@@ -87,7 +130,7 @@ def main(argv: List[str] = None) -> Dict[str, float]:
         patch_vision(models[pe], pe)
     results: Dict[str, float] = {}
     tokens = (a.img // a.patch) ** 2
-    print(f'{MODELS[a.family][1]}: width {a.width}, {a.depth} layers, {tokens} patches, batch {a.batch}, '
+    print(f'{MODELS[a.family][1].rsplit(".", 1)[-1]}: width {a.width}, {a.depth} layers, {tokens} patches, batch {a.batch}, '
           f'{a.dtype}, {a.device}, {clock} clock' + (f', {a.threads} thread(s)' if clock == 'process' else '')
           + f'; own encoding: {own}')
     for mode in ('eval', 'train'):

@@ -14,12 +14,12 @@ transformers = pytest.importorskip('transformers')
 
 import vispe  # noqa: E402
 from vispe.extras import UnsupportedVersionError  # noqa: E402
-from vispe.integrations import AlreadyPatchedError, UnsupportedModelError, patch_vision  # noqa: E402
+from vispe.integrations import UnsupportedModelError, patch_vision  # noqa: E402
 
 from adapter_checks import check_deepcopy, check_one_patch_per_tree, check_pickle  # noqa: E402
 from conftest import image_pes  # noqa: E402
 from transformers_vision_models import (  # noqa: E402
-    CANVAS_GRIDS, FAMILIES, NATIVE, OTHER, build, canvas_inputs, host_kwargs, inputs, siglip2_inputs,
+    CANVAS_GRIDS, FAMILIES, NATIVE, OTHER, build, canvas_inputs, host_kwargs, inputs, sharpen, siglip2_inputs,
 )
 
 PARITY = 1e-6
@@ -164,6 +164,66 @@ def test_a_whole_model_finds_its_vision_tower(which):
             torch.testing.assert_close(run(model, x), want, rtol=0, atol=PARITY)
         with patch_vision(model, 'rope_mixed'):
             assert (run(model, x) - want).abs().max() > 1e-4
+
+
+def _vlm(which):
+    """A whole tiny VLM of ``which`` and a function giving the image features its language model receives."""
+    sizes = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    text = dict(num_key_value_heads=2, vocab_size=64, head_dim=16, **sizes)
+    image = dict(image_size=32, patch_size=8, **sizes)
+    sizes_of = torch.tensor([[32, 32], [24, 16]])
+    torch.manual_seed(0)
+    if which == 'llava_clip':
+        model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(**image).to_dict(), text_config=dict(model_type='llama', **text),
+            image_token_id=63, vision_feature_layer=-1))
+    elif which in ('llava_pixtral', 'mistral3'):
+        vision = transformers.PixtralVisionConfig(head_dim=16, **image).to_dict()
+        if which == 'mistral3':
+            sizes_of = torch.tensor([[32, 32], [32, 16]])  # its merger joins 2 x 2 patches
+            model = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+                vision_config=vision, text_config=dict(model_type='mistral', **text), image_token_id=63,
+                vision_feature_layer=-1, spatial_merge_size=2))
+        else:
+            model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+                vision_config=vision, text_config=dict(model_type='mistral', **text), image_token_id=63,
+                vision_feature_layer=-1, vision_feature_select_strategy='full'))
+        model = sharpen(model).eval()
+
+        def run(m, x):
+            out = m.model.get_image_features(pixel_values=x, image_sizes=sizes_of).pooler_output
+            return torch.cat([t.flatten() for t in out])
+        return model, model.model.vision_tower, run
+    elif which == 'paligemma':
+        model = transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(
+            vision_config=transformers.SiglipVisionConfig(**image).to_dict(), text_config=dict(model_type='gemma', **text),
+            image_token_id=63))
+    else:
+        model = transformers.InternVLForConditionalGeneration(transformers.InternVLConfig(
+            vision_config=transformers.InternVLVisionConfig(**image).to_dict(), text_config=dict(model_type='qwen2', **text),
+            image_token_id=63, vision_feature_layer=-1, downsample_ratio=0.5))
+        with torch.no_grad():  # transformers initialises InternVL's table to zeros
+            model.model.vision_tower.embeddings.position_embeddings.normal_()
+    model = sharpen(model).eval()
+
+    def run(m, x):
+        out = m.model.get_image_features(pixel_values=x).pooler_output
+        return torch.cat([t.flatten() for t in out]) if isinstance(out, (list, tuple)) else out
+    return model, model.model.vision_tower, run
+
+
+@pytest.mark.parametrize('which', ['llava_clip', 'llava_pixtral', 'paligemma', 'internvl', 'mistral3'])
+def test_a_whole_vlm_finds_its_vision_tower(which):
+    model, tower, run = _vlm(which)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = run(model, x)
+        with patch_vision(model) as handle:
+            assert handle.tower is tower and handle.tower_name == 'model.vision_tower'
+            assert (run(model, x) - want).abs().max().item() <= PARITY
+        with patch_vision(model, 'rope_mixed'):  # another encoding: other features (beyond parity's rounding)
+            assert (run(model, x) - want).abs().max() > 10 * PARITY
+    check_one_patch_per_tree(model, tower, lambda m: patch_vision(m, 'rope_mixed'), lambda m: patch_vision(m, 'liere'))
 
 
 # ------------------------------------------------------------------ any encoding in every family

@@ -5,6 +5,7 @@ The models get larger attention projections and position tables than transformer
 for DeiT's table), so that positions visibly change the outputs and a parity test can fail."""
 from __future__ import annotations
 
+import importlib
 from typing import Dict, Tuple
 
 import torch
@@ -19,7 +20,8 @@ SIGLIP2_PATCH = 4
 SIGLIP2_NATIVE = 16      # its table: 4 x 4
 _SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
-FAMILIES = ('vit', 'deit', 'dinov2', 'dinov2_registers', 'siglip', 'clip', 'siglip2', 'dinov3', 'idefics3', 'smolvlm')
+FAMILIES = ('vit', 'deit', 'dinov2', 'dinov2_registers', 'siglip', 'clip', 'siglip2', 'dinov3', 'idefics3', 'smolvlm',
+            'internvl')
 
 
 def _config(kind: str) -> transformers.PretrainedConfig:
@@ -44,13 +46,16 @@ def _config(kind: str) -> transformers.PretrainedConfig:
         return transformers.Idefics3VisionConfig(**image)
     if kind == 'smolvlm':
         return transformers.SmolVLMVisionConfig(**image)
+    if kind == 'internvl':
+        return transformers.InternVLVisionConfig(use_qk_norm=True, use_mean_pooling=False, **image)
     raise ValueError(kind)
 
 
 _MODELS = {'vit': 'ViTModel', 'deit': 'DeiTModel', 'dinov2': 'Dinov2Model',
            'dinov2_registers': 'Dinov2WithRegistersModel', 'siglip': 'SiglipVisionModel',
            'clip': 'CLIPVisionModel', 'siglip2': 'Siglip2VisionModel', 'dinov3': 'DINOv3ViTModel',
-           'idefics3': 'Idefics3VisionTransformer', 'smolvlm': 'SmolVLMVisionTransformer'}
+           'idefics3': 'Idefics3VisionTransformer', 'smolvlm': 'SmolVLMVisionTransformer',
+           'internvl': 'InternVLVisionModel'}
 
 
 def sharpen(model: nn.Module, seed: int = 1) -> nn.Module:
@@ -61,7 +66,10 @@ def sharpen(model: nn.Module, seed: int = 1) -> nn.Module:
             leaf = name.rsplit('.', 2)[-2:]
             if leaf[0] in ('q_proj', 'k_proj') and leaf[1] == 'weight':
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-            elif 'position_embedding' in name:
+            elif leaf == ['qkv', 'weight'] and '.attn.' in name:  # Qwen-VL's fused projection: its q and k rows
+                qk = 2 * p.shape[0] // 3
+                p[:qk].copy_(torch.randn(qk, p.shape[1], generator=g) * 0.3)
+            elif 'position_embedding' in name or name.endswith('visual.pos_embed.weight') or name == 'pos_embed.weight':
                 p.copy_(torch.randn(p.shape, generator=g))
     return model
 
@@ -113,3 +121,142 @@ def host_kwargs(kind: str, size: Tuple[int, int]) -> Dict[str, bool]:
     if kind in ('vit', 'deit', 'siglip', 'clip') and size != NATIVE:
         return dict(interpolate_pos_encoding=True)
     return {}
+
+
+# ------------------------------------------------------------------ packed towers (Qwen-VL): one sequence of images
+QWEN_PATCH = 8
+QWEN_FAMILIES = ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl')
+QWEN_NATIVE = (1, 4, 4)             # Qwen3-VL's table: 4 x 4
+QWEN_OTHER = (1, 6, 8)              # another size the 2 x 2 merge divides
+QWEN_PACKED = [(1, 4, 4), (1, 6, 4), (2, 2, 8), (1, 8, 6)]   # images of different sizes and a 2-frame video
+_QWEN = dict(depth=2, num_heads=2, patch_size=QWEN_PATCH, spatial_merge_size=2, temporal_patch_size=2)
+
+
+def qwen_config(kind: str) -> transformers.PretrainedConfig:
+    if kind == 'qwen2_vl':
+        return transformers.Qwen2VLVisionConfig(embed_dim=32, hidden_size=32, mlp_ratio=2, **_QWEN)
+    if kind == 'qwen2_5_vl':  # windows of 2 x 2 merge blocks (4 x 4 patches); block 1 attends globally
+        return transformers.Qwen2_5_VLVisionConfig(hidden_size=32, intermediate_size=64, out_hidden_size=32,
+                                                   window_size=32, fullatt_block_indexes=[1], **_QWEN)
+    if kind == 'qwen3_vl':
+        return transformers.Qwen3VLVisionConfig(hidden_size=32, intermediate_size=64, out_hidden_size=32,
+                                                num_position_embeddings=16, deepstack_visual_indexes=[0], **_QWEN)
+    raise ValueError(kind)
+
+
+_QWEN_MODELS = {'qwen2_vl': 'qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel',
+                'qwen2_5_vl': 'qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel',
+                'qwen3_vl': 'qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel'}
+
+
+def build_qwen(kind: str) -> nn.Module:
+    """The tiny Qwen-VL vision tower of ``kind``, in eval mode."""
+    module, name = _QWEN_MODELS[kind].rsplit('.', 1)
+    cls = getattr(importlib.import_module(f'transformers.models.{module}'), name)
+    torch.manual_seed(0)
+    return sharpen(cls(qwen_config(kind))).eval()
+
+
+def qwen_inputs(grids, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A Qwen-VL tower's inputs for images / videos of ``grids`` ``[(t, h, w), ...]`` (patches): their
+    flattened patches one after the other (``hidden_states``) and ``grid_thw``."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(t * h * w for t, h, w in grids)
+    width = 3 * 2 * QWEN_PATCH ** 2
+    return dict(hidden_states=torch.randn(total, width, generator=g), grid_thw=torch.tensor(grids))
+
+
+_QWEN_VLM = {'qwen2_vl': ('Qwen2VLForConditionalGeneration', 'Qwen2VLConfig'),
+             'qwen2_5_vl': ('Qwen2_5_VLForConditionalGeneration', 'Qwen2_5_VLConfig'),
+             'qwen3_vl': ('Qwen3VLForConditionalGeneration', 'Qwen3VLConfig')}
+QWEN_IMAGE_TOKEN = 60
+
+
+def build_qwen_vlm(kind: str) -> nn.Module:
+    """A whole tiny Qwen-VL model (vision tower, merger, one-layer language model), in eval mode."""
+    model_cls, config_cls = (getattr(transformers, n) for n in _QWEN_VLM[kind])
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                intermediate_size=64, vocab_size=64,
+                rope_parameters=dict(rope_type='default', rope_theta=10000.0, mrope_section=[2, 3, 3]))
+    config = config_cls(vision_config=qwen_config(kind).to_dict(), text_config=text, image_token_id=QWEN_IMAGE_TOKEN,
+                        video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
+    torch.manual_seed(0)
+    return sharpen(model_cls(config)).eval()
+
+
+def qwen_vlm_inputs(grids, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A prompt with the images of ``grids`` (each ``t * h * w / 4`` image tokens between start / end tokens)."""
+    x = qwen_inputs(grids, seed)
+    ids = [1]
+    for t, h, w in grids:
+        ids += [62] + [QWEN_IMAGE_TOKEN] * (t * h * w // 4) + [63, 2]
+    ids = torch.tensor([ids])
+    return dict(input_ids=ids, pixel_values=x['hidden_states'], image_grid_thw=x['grid_thw'],
+                mm_token_type_ids=(ids == QWEN_IMAGE_TOKEN).long())
+
+
+# ------------------------------------------------------------------ Pixtral: images of their own sizes on one sequence
+PIXTRAL_SIZES = {'native': [(32, 32), (32, 32)], 'other': [(48, 40)], 'packed': [(48, 56), (24, 40), (48, 16), (8, 8)]}
+
+
+def build_pixtral() -> nn.Module:
+    """The tiny Pixtral vision encoder (a 4 x 4 training grid of patches of 8), in eval mode."""
+    torch.manual_seed(0)
+    config = transformers.PixtralVisionConfig(image_size=NATIVE[0], patch_size=PATCH, head_dim=16, **_SIZES)
+    return sharpen(transformers.PixtralVisionModel(config)).eval()
+
+
+def pixtral_inputs(sizes, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Images of ``sizes`` (pixels) padded at the bottom / right to one canvas, and their ``image_sizes``."""
+    g = torch.Generator().manual_seed(seed)
+    canvas = (max(h for h, _ in sizes), max(w for _, w in sizes))
+    return dict(pixel_values=torch.randn(len(sizes), 3, *canvas, generator=g), image_sizes=torch.tensor(sizes))
+
+
+PACKED_FAMILIES = QWEN_FAMILIES + ('pixtral',)
+
+
+def build_packed(kind: str) -> nn.Module:
+    return build_pixtral() if kind == 'pixtral' else build_qwen(kind)
+
+
+def packed_inputs(kind: str, which: str, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Inputs of a packed tower: ``which`` is ``'native'`` (the training grid), ``'other'`` (another size) or
+    ``'packed'`` (images of different sizes, for Qwen-VL a video among them)."""
+    if kind == 'pixtral':
+        return pixtral_inputs(PIXTRAL_SIZES[which], seed)
+    return qwen_inputs({'native': [QWEN_NATIVE] * 2, 'other': [QWEN_OTHER], 'packed': QWEN_PACKED}[which], seed)
+
+
+def packed_images(kind: str, batch: Dict[str, torch.Tensor]):
+    """Each image of a packed batch: its ``(start, end)`` in the sequence of tokens and its inputs alone."""
+    start = 0
+    if kind == 'pixtral':
+        for b, (h, w) in enumerate(batch['image_sizes'].tolist()):
+            end = start + (h // PATCH) * (w // PATCH)
+            yield (start, end), dict(pixel_values=batch['pixel_values'][b:b + 1, :, :h, :w])
+            start = end
+        return
+    for t, h, w in batch['grid_thw'].tolist():
+        end = start + t * h * w
+        yield (start, end), dict(hidden_states=batch['hidden_states'][start:end], grid_thw=torch.tensor([(t, h, w)]))
+        start = end
+
+
+# ------------------------------------------------------------------ video: VideoMAE's tubelets
+VIDEO_NATIVE = (4, 32, 32)          # frames, height, width: a 2 x 4 x 4 grid of tubelets 2 x 8 x 8
+VIDEO_OTHER = (6, 40, 24)           # 3 x 5 x 3
+
+
+def build_videomae() -> nn.Module:
+    """The tiny VideoMAE encoder (width 48: a 3D sin-cos table splits it in 6), in eval mode."""
+    torch.manual_seed(0)
+    config = transformers.VideoMAEConfig(image_size=NATIVE[0], patch_size=PATCH, num_frames=VIDEO_NATIVE[0],
+                                         tubelet_size=2, **{**_SIZES, 'hidden_size': 48})  # 3 axes x sin, cos
+    return sharpen(transformers.VideoMAEModel(config)).eval()
+
+
+def video_inputs(size=VIDEO_NATIVE, batch: int = 2, seed: int = 0) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    frames, h, w = size
+    return dict(pixel_values=torch.randn(batch, frames, 3, h, w, generator=g))

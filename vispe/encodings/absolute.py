@@ -35,32 +35,36 @@ def _require_grid(name: str, pos: Positions) -> Tuple[int, ...]:
     return pos.grid
 
 
-def _axis_map(n_old: int, n_new: int, mode: str, antialias: bool, device: torch.device) -> torch.Tensor:
+def _axis_map(n_old: int, n_new: int, mode: str, antialias: bool, device: torch.device,
+              align_corners: bool = False) -> torch.Tensor:
     """``(n_new, n_old)``: `F.interpolate` along one axis as a matrix, its columns the resampled unit
     vectors (laid along the width: an antialiased resampling of a one-pixel-wide input along the
     height is wrong in torch)."""
     eye = torch.eye(n_old, device=device).reshape(1, n_old, 1, n_old)
-    return F.interpolate(eye, size=(1, n_new), mode=mode, antialias=antialias).reshape(n_old, n_new).t()
+    corners = dict(align_corners=True) if align_corners else {}
+    return F.interpolate(eye, size=(1, n_new), mode=mode, antialias=antialias, **corners).reshape(n_old, n_new).t()
 
 
 def _separable_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[int], num_prefix: int, mode: str,
-                        antialias: bool) -> torch.Tensor:
+                        antialias: bool, align_corners: bool = False) -> torch.Tensor:
     """timm's `resample_abs_pos_embed` as two matrix products (2D `F.interpolate` is separable), the
-    form used while traced: torch has no symbolic-shape kernel for the backward of the antialiased
-    resampling, so a train step compiled with ``dynamic=True`` would fail on it."""
+    form used while traced (torch has no symbolic-shape kernel for the backward of the antialiased
+    resampling, so a train step compiled with ``dynamic=True`` would fail on it) and with
+    ``align_corners``, which timm's function does not take."""
     prefix, grid = table[:, :num_prefix], table[:, num_prefix:].float().reshape(*old, -1)
-    rows, cols = (_axis_map(o, n, mode, antialias, table.device) for o, n in zip(old, new))
+    rows, cols = (_axis_map(o, n, mode, antialias, table.device, align_corners) for o, n in zip(old, new))
     grid = torch.einsum('ia,jb,abc->ijc', rows, cols, grid).reshape(1, -1, table.shape[-1])
     return torch.cat([prefix, grid.to(table.dtype)], dim=1)
 
 
 def _weights_resample(table: torch.Tensor, new: Sequence[int], old: Sequence[int], num_prefix: int, mode: str,
-                      antialias: bool) -> torch.Tensor:
+                      antialias: bool, align_corners: bool = False) -> torch.Tensor:
     """The 2D resampling of `F.interpolate` as one ``(new, old)`` weight matrix over the table's grid rows,
     each weight the product of a row weight and a column weight (the form of transformers' SigLIP 2
-    ``resize_positional_embeddings``, whose rounding it reproduces)."""
+    ``resize_positional_embeddings``, whose rounding it reproduces, and of the Qwen3-VL tower's
+    `get_vision_interpolation_indices_and_weights`)."""
     prefix, rows_in = table[:, :num_prefix], table[:, num_prefix:].float().reshape(-1, table.shape[-1])
-    rows, cols = (_axis_map(o, n, mode, antialias, table.device) for o, n in zip(old, new))
+    rows, cols = (_axis_map(o, n, mode, antialias, table.device, align_corners) for o, n in zip(old, new))
     weights = (rows[:, None, :, None] * cols[None, :, None, :]).reshape(math.prod(new), math.prod(old))
     return torch.cat([prefix, (weights @ rows_in).unsqueeze(0).to(table.dtype)], dim=1)
 
@@ -101,6 +105,8 @@ class LearnedPE(AdditivePE):
             form; equal up to float rounding, and to the rounding of that host) or ``'buckets'`` (NaViT's
             fractional-position buckets, as Idefics3 / SmolVLM: each token takes the row of the bucket its
             fractional position ``i / n`` falls in; ``interpolation`` is then unused).
+        align_corners: `F.interpolate`'s ``align_corners`` for a bilinear or bicubic resampling: the corner
+            rows of the table stay at the corners of any grid (Qwen3-VL's tower; timm and most hosts: False).
     """
     larger_input = 'resample'
     paper = 'Dosovitskiy et al., ICLR 2021 (ViT); timm layout'
@@ -113,13 +119,18 @@ class LearnedPE(AdditivePE):
             antialias: bool = True,
             init_std: float = 0.02,
             resample: Literal['interpolate', 'weights', 'buckets'] = 'interpolate',
+            align_corners: bool = False,
     ) -> None:
         super().__init__(ctx)
         if ctx.grid_size is None:
             raise ValueError("encoding 'learned' needs the training grid: pass grid_size=(h, w) to create_pe")
+        if align_corners and interpolation == 'nearest':
+            raise ValueError("option 'align_corners' of encoding 'learned' needs interpolation='bicubic' or "
+                             "'bilinear' (nearest has no corners to align)")
         self.interpolation = interpolation
         self.antialias = antialias and interpolation != 'nearest'  # F.interpolate cannot antialias nearest
         self.resample = resample
+        self.align_corners = bool(align_corners)
         self.num_table_prefix = ctx.num_prefix_tokens if ctx.embed_prefix else 0
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_table_prefix + math.prod(ctx.grid_size), ctx.dim))
         if check_nonnegative(self.name, 'init_std', init_std):
@@ -134,9 +145,11 @@ class LearnedPE(AdditivePE):
         if static_equal(new, old):  # symbolic sizes resample (the identity when equal) rather than specialize
             return table
         if len(new) == 2 and self.resample == 'weights':
-            return _weights_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
-        if len(new) == 2 and is_tracing():
-            return _separable_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias)
+            return _weights_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias,
+                                     self.align_corners)
+        if len(new) == 2 and (is_tracing() or self.align_corners):
+            return _separable_resample(table, new, old, self.num_table_prefix, self.interpolation, self.antialias,
+                                       self.align_corners)
         if len(new) == 2:
             return resample_abs_pos_embed(table, new_size=list(new), old_size=list(old),
                                           num_prefix_tokens=self.num_table_prefix,
@@ -144,7 +157,8 @@ class LearnedPE(AdditivePE):
         prefix, grid = table[:, :self.num_table_prefix], table[:, self.num_table_prefix:]
         grid = grid.reshape(1, *old, -1).movedim(-1, 1)
         mode = 'trilinear' if self.interpolation in ('bicubic', 'bilinear') else self.interpolation
-        grid = F.interpolate(grid.float(), size=tuple(new), mode=mode).to(table.dtype)
+        corners = dict(align_corners=True) if self.align_corners and mode == 'trilinear' else {}
+        grid = F.interpolate(grid.float(), size=tuple(new), mode=mode, **corners).to(table.dtype)
         return torch.cat([prefix, grid.movedim(1, -1).reshape(1, -1, table.shape[-1])], dim=1)
 
     def adopt_pos_embed(self, table: torch.Tensor, num_prefix: int, grid: Tuple[int, ...]
@@ -228,13 +242,21 @@ class SinCosPE(AdditivePE):
     ``layout='big_vision'`` uses ``w_k = 1 / 10000^(k / (G/2 - 1))`` (big_vision's
     ``posemb_sincos_2d``). ``axis_order='grid'`` puts the groups in grid order instead (y = row first,
     then x): with ``layout='mae'`` that is the ``[sin_h | cos_h | sin_w | cos_w]`` table of RT-DETR's
-    hybrid encoder (Zhao et al., CVPR 2024) as transformers builds it. Prefix tokens get zeros.
+    hybrid encoder (Zhao et al., CVPR 2024) as transformers builds it. ``pairing='interleaved'`` orders a
+    group ``[sin(p w_0), cos(p w_0), sin(p w_1), ...]`` (the Transformer's table, Vaswani et al. 2017).
+    ``flatten=True`` encodes one coordinate, each token's row-major index in its grid (``t * h * w + ...``),
+    computed in float64 (such indices reach the thousands, where float32 angles lose 1e-4): with
+    ``pairing='interleaved'`` the 1D table VideoMAE adds to its tubelets (Tong et al., NeurIPS 2022). Prefix
+    tokens get zeros.
 
     Args:
         layout: frequency convention, ``'mae'`` or ``'big_vision'``.
         temperature: the base (10000).
-        grid_mode: ``index`` (extrapolate) or ``normalized`` (rescaled to the training grid).
+        grid_mode: ``index`` (extrapolate) or ``normalized`` (rescaled to the training grid); unused with
+            ``flatten``.
         axis_order: ``reversed`` (x first, MAE) or ``grid`` (y first, RT-DETR).
+        pairing: ``halves`` (all sines, then all cosines, per group) or ``interleaved``.
+        flatten: encode the row-major index of each token in its grid instead of its coordinates.
     """
     larger_input = 'extrapolate'
     paper = 'He et al., CVPR 2022 (MAE); Vaswani et al. 2017'
@@ -247,31 +269,57 @@ class SinCosPE(AdditivePE):
             temperature: float = 10000.0,
             grid_mode: GridMode = 'index',
             axis_order: Literal['reversed', 'grid'] = 'reversed',
+            pairing: Literal['halves', 'interleaved'] = 'halves',
+            flatten: bool = False,
     ) -> None:
         super().__init__(ctx)
         self.layout = layout
         self.temperature = check_positive(self.name, 'temperature', temperature)
         self.grid_mode = grid_mode
         self.axis_order = axis_order
+        self.pairing = pairing
+        self.flatten = bool(flatten)
 
     def table(self, coords: torch.Tensor) -> torch.Tensor:
-        """The ``(..., N, C)`` sin-cos features of ``(..., N, D)`` coordinates."""
+        """The ``(..., N, C)`` sin-cos features of ``(..., N, D)`` coordinates (float64 coordinates are
+        computed in float64, the features returned in float32)."""
         dim, axes = self.ctx.dim, coords.shape[-1]
         if dim % (2 * axes):
             raise ValueError(f"encoding 'sincos' needs dim divisible by {2 * axes} for {axes} axes, got dim={dim}")
         group = dim // axes
         half = group // 2
         denom = half - 1 if self.layout == 'big_vision' else half
-        omega = axial_frequencies(half, self.temperature, step=1.0, dim=max(denom, 1), device=coords.device)
+        dtype = torch.float64 if coords.dtype == torch.float64 else torch.float32
+        omega = axial_frequencies(half, self.temperature, step=1.0, dim=max(denom, 1), device=coords.device,
+                                  dtype=dtype)
         parts = []
         for a in (reversed(range(axes)) if self.axis_order == 'reversed' else range(axes)):
-            angle = coords[..., a:a + 1].float() * omega
-            parts += [angle.sin(), angle.cos()]
-        return torch.cat(parts, dim=-1)
+            angle = coords[..., a:a + 1].to(dtype) * omega
+            if self.pairing == 'interleaved':
+                parts.append(torch.stack([angle.sin(), angle.cos()], -1).flatten(-2))
+            else:
+                parts += [angle.sin(), angle.cos()]
+        return torch.cat(parts, dim=-1).float()
+
+    def _flat_index(self, pos: Positions) -> torch.Tensor:
+        """``(..., N, 1)`` float64 row-major index of each token in its grid (each sample's own in a NaFlex
+        batch; the grid the tokens were selected from after token dropping)."""
+        grids = pos.index_grids or ((pos.index_grid,) if pos.index_grid is not None else None)
+        if grids is None:
+            raise ValueError("encoding 'sincos' with flatten=True needs grid positions (vispe.positions.grid), "
+                             'got a point set')
+        strides = torch.tensor([[math.prod(g[a + 1:]) for a in range(len(g))] for g in grids],
+                               dtype=torch.float64, device=pos.device)
+        coords = pos.coords.to(torch.float64)
+        index = coords @ strides[0] if len(grids) == 1 else (coords * strides[:, None, :]).sum(-1)
+        return index.unsqueeze(-1)
 
     def _rows(self, pos: Positions) -> torch.Tensor:
+        if self.flatten:
+            return self.table(self._flat_index(pos))
         return self.table(grid_coordinates(pos, self.grid_mode))
 
     def encode(self, coords: torch.Tensor) -> torch.Tensor:
-        """The sin-cos features of continuous coordinates ``(..., D)`` (`table`)."""
+        """The sin-cos features of continuous coordinates ``(..., D)`` (`table`; with ``flatten`` the
+        coordinates are the flat indices themselves, ``(..., 1)``)."""
         return self.table(coords)

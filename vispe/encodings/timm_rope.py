@@ -8,7 +8,9 @@ Conventions, read from ``timm/layers/pos_embed_sincos.py`` (timm 1.0.31), per ``
 * ``cat`` (`RotaryEmbeddingCat` with ``in_pixels=False``): per axis ``hd/4`` frequencies
   ``1 / temperature^(k / (hd/4))``; coordinates are integer indices plus ``grid_offset``, rescaled
   EVA-style to ``ref_feat_shape`` (``t * ref / n``) when given; the first ``hd/4`` pairs follow the
-  first coordinate axis, the next ``hd/4`` the second.
+  first coordinate axis, the next ``hd/4`` the second. ``axis_bands='alternating'`` gives the axes alternate
+  entries of one sequence ``1 / temperature^(2j / hd)``, ``j < hd/2`` instead (the first axis the even ones,
+  the second the odd ones: Pixtral's vision rope, ``PixtralVisionRotaryEmbedding``, not a timm convention).
 * ``mixed`` (`RotaryEmbeddingMixed`, RoPE-Mixed): learned ``freqs`` ``(2, L, H, hd/2)`` in timm's
   layout (axis 0 first), angle ``t_0 f_0 + t_1 f_1`` per layer and head, integer indices.
 * ``dinov3`` (`RotaryEmbeddingDinoV3`): coordinates ``2 (i + 0.5 + grid_offset) / n - 1`` in
@@ -69,6 +71,8 @@ class TimmRope(RotationPE):
         min_period: ``dinov3`` geometric periods from ``min_period`` ...
         max_period: ... to ``max_period`` (both or neither; replace ``temperature``).
         mrope_section: ``mrope`` strided extents (temporal, height, width).
+        axis_bands: ``cat`` frequencies per axis: ``shared`` (the same ``hd/4`` bands on both axes) or
+            ``alternating`` (alternate entries of ``1 / temperature^(2j / hd)``, Pixtral).
         shift_coords: training-only uniform shift in ``[-s, s]`` (coordinate units).
         jitter_coords: training-only per-axis log-uniform scale in ``[1/J, J]``.
         rescale_coords: training-only shared log-uniform scale in ``[1/R, R]``.
@@ -94,6 +98,7 @@ class TimmRope(RotationPE):
             shift_coords: Optional[float] = None,
             jitter_coords: Optional[float] = None,
             rescale_coords: Optional[float] = None,
+            axis_bands: Literal['shared', 'alternating'] = 'shared',
     ) -> None:
         super().__init__(ctx)
         if ctx.grid_size is not None and len(ctx.grid_size) != 2:
@@ -125,6 +130,10 @@ class TimmRope(RotationPE):
         self.normalize_coords = normalize_coords
         self.periods_range = (min_period, max_period) if min_period is not None else None
         self.mrope_section = tuple(mrope_section)
+        if axis_bands != 'shared' and rope_type != 'cat':
+            raise ValueError(f"option 'axis_bands' of encoding 'rope_timm' applies to rope_type='cat', got "
+                             f'rope_type={rope_type!r} with axis_bands={axis_bands!r}')
+        self.axis_bands = axis_bands
         for option, value, least in (('shift_coords', shift_coords, 0.0), ('jitter_coords', jitter_coords, 1.0),
                                      ('rescale_coords', rescale_coords, 1.0)):
             if value is not None and not (math.isfinite(value) and value >= least):  # timm's ranges, checked here
@@ -198,7 +207,10 @@ class TimmRope(RotationPE):
         t = self._coordinates(pos)
         hd, device = self.ctx.head_dim, t.device
         if self.rope_type == 'cat':
-            bands = freq_bands(hd // 4, temperature=self.temperature, step=1, device=device)
+            if self.axis_bands == 'alternating':  # (2, hd/4): each axis its own bands
+                bands = freq_bands(hd, temperature=self.temperature, step=2, device=device).view(-1, 2).t()
+            else:
+                bands = freq_bands(hd // 4, temperature=self.temperature, step=1, device=device)
             return (t.unsqueeze(-1) * bands).flatten(-2)
         if self.rope_type == 'dinov3':
             n = hd // 4

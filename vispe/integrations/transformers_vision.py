@@ -1,25 +1,28 @@
 """Give one transformers vision encoder instance any vispe positional encoding: `patch_vision`.
 
 ``patch_vision(model, 'liere')`` makes a transformers ViT / DeiT, DINOv2 (with registers too), DINOv3-ViT,
-SigLIP, SigLIP 2 (NaFlex), CLIP or Idefics3 / SmolVLM vision encoder, or a model that holds one (an image
-classifier, a whole ``SiglipModel`` / ``CLIPModel`` / ``Idefics3Model``: its vision tower is found), position its
-image tokens with a vispe encoding.
+SigLIP, SigLIP 2 (NaFlex), CLIP, Idefics3 / SmolVLM, InternVL, Pixtral or Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision
+encoder, or the VideoMAE video encoder, or a model that holds one (an image classifier, a whole ``SiglipModel`` / ``CLIPModel`` / VLM: LLaVA,
+PaliGemma, Idefics3 / SmolVLM, InternVL, Mistral3, Qwen-VL; its vision tower is found), position its image tokens
+with a vispe encoding.
 On that instance only (transformers' classes, modules and registries stay untouched) it:
 
 * registers the encoding as ``<tower>.vispe_pe`` (its parameters train and save with the model's
   ``state_dict``);
 * replaces the bound ``forward`` of ``<tower>.embeddings``: the family's patch embedding, mask token and
   prefix tokens (class, distillation, register tokens) as transformers builds them, then the encoding's
-  additive part (none for a rotary encoding) in place of the host's table, then the embeddings' dropout;
+  additive part (none for a rotary encoding) in place of the host's table, then the embeddings' dropout
+  (Qwen-VL: of ``<tower>.patch_embed``, transformers' patch embedding then the additive part);
 * replaces the bound ``forward`` of every self-attention of the tower: the layer's own ``q_proj`` /
-  ``k_proj`` / ``v_proj`` projections, `vispe.pe_attention` with the encoding's attention-side hooks (q/k
+  ``k_proj`` / ``v_proj`` projections (Qwen-VL: ``qkv``), `vispe.pe_attention` with the encoding's attention-side hooks (q/k
   rotations, logit biases, value / output maps) and the host's mask, scale and dropout, then its output
   projection;
 * adds a forward pre-hook on the tower that builds this forward's positions from its inputs, prepares the
   encoding once and hands it to every attention, and forward hooks on the layers for encodings that act
   between blocks (PEG);
-* makes a module whose output the patched attention no longer reads return None (DINOv3's
-  ``rope_embeddings``), so it is not computed.
+* makes a module whose output the patched attention no longer reads return an empty tuple (DINOv3's
+  ``rope_embeddings``, the Qwen towers' ``rotary_pos_emb``), so it is not computed, and the module of a table
+  the encoding replaces return zero (Qwen3-VL's ``pos_embed``).
 
 `VisionPatch.remove` undoes everything: module types, attributes and ``state_dict`` are then those of the
 unpatched model. The host's own position weights stay in the model (unused while patched); the handle's
@@ -44,7 +47,12 @@ real patches first and the rest padding (``pixel_attention_mask``), so an image 
 the output it gets alone (the patched attention masks the padded keys). Idefics3 / SmolVLM: images padded on
 one canvas (``patch_attention_mask``, each a top-left rectangle of patches); the tokens run packed, each
 image's patches first at its own grid (`vispe.positions.pack_padded_grid`), from the embeddings to the
-tower's output, which comes back in canvas order.
+tower's output, which comes back in canvas order. Qwen-VL towers: the images and video frames of ``grid_thw``
+run as one sequence, each frame its own attention segment (``cu_seqlens``), its tokens in merge-block order
+(and in Qwen2.5-VL in window order); every attention packs its q, k and v into a batch of the frames' own grids
+(of the windows in a windowed block, each token at its position on its frame), attends, and unpacks into the
+host's order (`vispe.integrations._vision_packed`), so every image packed with others gets its output alone.
+The training grid of Qwen2-VL / Qwen2.5-VL, which have no table, is `QWEN_REFERENCE_GRID`.
 
 The model's own encodings as vispe specs (``pe=None``; the patched model then gives the unpatched one's
 outputs, float32, within 1e-6): ViT, DeiT, DINOv2, SigLIP and CLIP ``learned`` with
@@ -54,18 +62,22 @@ SigLIP 2 ``learned`` with ``interpolation='bilinear', antialias=True`` (``resize
 Idefics3 / SmolVLM ``learned`` with ``resample='buckets'`` (NaViT's fractional-position buckets);
 DINOv3-ViT ``rope_timm`` with ``rope_type='dinov3'`` and the config's ``rope_theta`` and coordinate
 augmentations (computed in float32 also after ``.to(torch.bfloat16)``, where transformers' own
-``inv_freq`` buffer is rounded).
+``inv_freq`` buffer is rounded); the Qwen-VL towers ``rope_timm`` with ``rope_type='cat'``, ``rotate_half=True``
+(integer indices, row then column), Qwen3-VL with ``learned`` beside it (``interpolation='bilinear'``,
+``align_corners=True``, ``resample='weights'``: `get_vision_interpolation_indices_and_weights`); Pixtral
+``rope_timm`` with ``axis_bands='alternating'``; InternVL ``learned`` as ViT; VideoMAE ``sincos`` with
+``flatten=True`` and ``pairing='interleaved'`` (its 1D table over the tubelet index, at the configured clip; the
+flat index continues at other clips).
 
 How to add a family. A family is one `VisionFamily` row of `FAMILIES`: the tower classes it covers, where
 the layers and their attention are, the names of the attention's output projection, scale and dropout, the
 prefix tokens and the patch embedding of its embeddings module, its table (if any) and the options of
 its own encoding, one positions function ``(family, tower, args, kwargs) -> Positions`` (`image_positions`,
-`naflex_positions`, `canvas_positions` so far), and two flags: whether its tower passes ``**kwargs`` down,
-and whether its images are padded on a canvas. A tower whose attention projects q, k and v with ``q_proj`` /
-``k_proj`` / ``v_proj`` and is called with the layer's ``**kwargs`` needs nothing else; a tower that reorders
-tokens (windowed attention) or packs images along one sequence (``cu_seqlens``) needs its positions function
-to return them in that order and, where its attention's call differs, a hook of its own beside
-`VisionPatch._attention`.
+`naflex_positions`, `canvas_positions`; `varlen_positions` returns the `VarlenLayout` of a packed tower),
+whether its tower passes ``**kwargs`` down, and its token layout (``'batch'``, ``'canvas'``, ``'varlen'``). A
+tower whose attention projects q, k and v with ``q_proj`` / ``k_proj`` / ``v_proj`` (or one fused ``qkv``) and
+is called with the layer's ``**kwargs`` needs nothing else; a tower whose attention's call differs needs a
+hook of its own beside `VisionPatch._attention` and `VisionPatch._packed_attention`.
 """
 from __future__ import annotations
 
@@ -84,10 +96,11 @@ from ..extras import SUPPORTED, require
 from ..positions import PaddedGrid, Positions, grid, naflex_grid, pack_padded_grid
 from ..registry import PESpec, create_pe
 from ..weights import LoadReport
+from ._vision_packed import VarlenLayout, varlen_layout
 from .base import ModelPatch, UnsupportedModelError, refuse_patched
 
 __all__ = ['patch_vision', 'VisionPatch', 'VisionFamily', 'FAMILIES', 'SUPPORTED_TOWERS', 'image_positions',
-           'naflex_positions', 'canvas_positions', 'own_spec']
+           'naflex_positions', 'canvas_positions', 'varlen_positions', 'pixtral_positions', 'own_spec', 'QWEN_REFERENCE_GRID']
 
 _logger = logging.getLogger(__name__)
 
@@ -95,6 +108,9 @@ Tensor = torch.Tensor
 SUPPORTED_TRANSFORMERS = SUPPORTED['transformers']
 PREPARED_KWARG = 'vispe_prepared'
 """The keyword argument by which the prepared encoding travels from the tower's call to its attentions."""
+LAYOUT_KWARG = 'vispe_layout'
+"""The keyword argument by which a packed tower's running forward (its layouts and, for windows, their
+prepared encoding) travels with the prepared encoding."""
 
 
 def _pair(value: Any) -> Tuple[int, int]:
@@ -182,6 +198,132 @@ def canvas_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[An
     return pos.replace(key_padding_mask=~real.bool().flatten(1))
 
 
+def _frame_bounds(grids: Sequence[Sequence[int]], device: torch.device) -> Tensor:
+    """``cu_seqlens`` of frames as segments (`transformers.vision_utils.get_vision_cu_seqlens`' default)."""
+    lengths = torch.tensor([h * w for t, h, w in grids for _ in range(t)], device=device)
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def varlen_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                     ) -> VarlenLayout:
+    """The layout of a Qwen-VL tower's forward: the images and video frames of ``grid_thw`` ``(K, 3)`` packed
+    along ``hidden_states`` ``(N, C * t * p * p)``, each frame its own segment at its own grid, tokens in
+    merge-block order (and, for Qwen2.5-VL, in its window order), as `vispe.integrations._vision_packed`
+    lays them out.
+
+    Raises:
+        ValueError: ``grid_thw`` not ``(K, 3)`` positive integers, a grid the spatial merge does not divide,
+            ``hidden_states`` of another length than the grids, or precomputed ``cu_seqlens`` /
+            ``position_ids`` of another layout.
+    """
+    from transformers import vision_utils
+    config = tower.config
+    pixels = _argument(args, kwargs, 0, 'hidden_states')
+    thw = _argument(args, kwargs, 1, 'grid_thw')
+    merge = int(config.spatial_merge_size)
+    if not torch.is_tensor(thw) or thw.dim() != 2 or thw.shape[-1] != 3 or thw.is_floating_point():
+        got = f'{tuple(thw.shape)} {thw.dtype}' if torch.is_tensor(thw) else type(thw).__name__
+        raise ValueError(f'patch_vision ({family.label}): grid_thw must be a (num_images, 3) integer tensor of '
+                         f'(frames, rows, columns) of patches, got {got}')
+    grids = thw.tolist()
+    bad = [g for g in grids if min(g) < 1 or g[1] % merge or g[2] % merge]
+    if bad:
+        raise ValueError(f'patch_vision ({family.label}): grid_thw rows {bad} must be positive with rows and '
+                         f'columns divisible by spatial_merge_size={merge}')
+    total = sum(t * h * w for t, h, w in grids)
+    if not torch.is_tensor(pixels) or pixels.dim() != 2 or pixels.shape[0] != total:
+        got = tuple(pixels.shape) if torch.is_tensor(pixels) else type(pixels).__name__
+        raise ValueError(f'patch_vision ({family.label}): hidden_states must be the ({total}, C * t * p * p) '
+                         f'patches of grid_thw {grids}, got {got}')
+    given = kwargs.get('cu_seqlens')
+    if given is not None and not torch.equal(given.cpu().long(), _frame_bounds(grids, torch.device('cpu')).long()):
+        raise ValueError(f'patch_vision ({family.label}): precomputed cu_seqlens must make each frame of grid_thw '
+                         f'a segment (transformers\' default); the patched tower attends within frames')
+    ids = kwargs.get('position_ids')
+    if ids is not None and not torch.equal(ids.cpu(), vision_utils.get_vision_position_ids(thw.cpu(), merge)):
+        raise ValueError(f'patch_vision ({family.label}): precomputed position_ids must be those of grid_thw in '
+                         f'merge-block order (transformers\' get_vision_position_ids); the patched tower builds '
+                         f'its positions from grid_thw')
+    window_index = window_bounds = None
+    if family.windows:
+        window_index, window_bounds = vision_utils.get_vision_window_index(
+            thw, merge, config.window_size, config.patch_size, kwargs=dict(kwargs))
+    return varlen_layout(thw, merge, family.native_grid(config), window_index=window_index,
+                         window_bounds=window_bounds)
+
+
+def pixtral_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                      ) -> VarlenLayout:
+    """The layout of a Pixtral tower's forward: image ``b`` the top-left ``image_sizes[b]`` of its
+    ``pixel_values`` ``(B, C, H, W)`` (all of it without ``image_sizes``), its patches in raster order, the
+    images one after the other along one sequence, each its own attention segment.
+
+    Raises:
+        ValueError: pixel_values not ``(B, C, H, W)``, ``image_sizes`` not one ``(height, width)`` per image
+            within the canvas, or a size the patch does not divide.
+    """
+    pixels = _argument(args, kwargs, 0, 'pixel_values')
+    sizes = _argument(args, kwargs, 1, 'image_sizes')
+    if not torch.is_tensor(pixels) or pixels.dim() != 4:
+        shape = tuple(pixels.shape) if torch.is_tensor(pixels) else type(pixels).__name__
+        raise ValueError(f'patch_vision ({family.label}): pixel_values must be a (B, C, H, W) tensor, got {shape}')
+    batch, canvas = pixels.shape[0], tuple(pixels.shape[-2:])
+    sizes = [canvas] * batch if sizes is None else [tuple(int(v) for v in s) for s in
+                                                     (sizes.tolist() if torch.is_tensor(sizes) else sizes)]
+    p = int(tower.config.patch_size)
+    if len(sizes) != batch or any(len(s) != 2 or not (0 < s[0] <= canvas[0] and 0 < s[1] <= canvas[1]) for s in sizes):
+        raise ValueError(f'patch_vision ({family.label}): image_sizes must give each of the {batch} images its '
+                         f'(height, width) within the {canvas[0]}x{canvas[1]} pixel_values, got {sizes}')
+    bad = [s for s in sizes if s[0] % p or s[1] % p]
+    if bad:
+        raise ValueError(f'patch_vision ({family.label}): image sizes {bad} are not divisible by the patch size '
+                         f'{p}x{p}; use sizes that are multiples of {p} (the unpatched model would crop the remainder)')
+    thw = torch.tensor([(1, h // p, w // p) for h, w in sizes], device=pixels.device)
+    return varlen_layout(thw, 1, family.native_grid(tower.config))
+
+
+def video_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                    ) -> Positions:
+    """The positions of a video tower's forward: the grid ``(T / tubelet, H / p, W / p)`` of ``pixel_values``
+    ``(B, T, C, H, W)``, the configured clip as training grid.
+
+    Raises:
+        ValueError: pixel_values of another layout, or a size the tubelet does not divide.
+    """
+    pixels = _argument(args, kwargs, 0, 'pixel_values')
+    if not torch.is_tensor(pixels) or pixels.dim() != 5:
+        shape = tuple(pixels.shape) if torch.is_tensor(pixels) else type(pixels).__name__
+        raise ValueError(f'patch_vision ({family.label}): pixel_values must be a (B, frames, C, H, W) tensor, '
+                         f'got {shape}')
+    config = tower.config
+    tubelet = (int(config.tubelet_size), *_pair(config.patch_size))
+    size = (pixels.shape[1], *pixels.shape[-2:])
+    if any(n % t for n, t in zip(size, tubelet)):
+        raise ValueError(f'patch_vision ({family.label}): {size[0]} frames of {size[1]}x{size[2]} are not divisible '
+                         f'by the tubelet {tubelet[0]}x{tubelet[1]}x{tubelet[2]} (frames x height x width); use '
+                         f'multiples of it')
+    return grid(*(n // t for n, t in zip(size, tubelet)), train_grid=family.native_grid(config), device=pixels.device)
+
+
+def _kept_tokens(family: 'VisionFamily', masked: Any, num_tokens: int) -> Tensor:
+    """``(B, K)`` indices of the tokens ``bool_masked_pos`` keeps, in order (as the host gathers them)."""
+    if not torch.is_tensor(masked) or masked.dim() != 2 or masked.shape[1] != num_tokens:
+        shape = tuple(masked.shape) if torch.is_tensor(masked) else type(masked).__name__
+        raise ValueError(f'patch_vision ({family.label}): bool_masked_pos must be (B, {num_tokens}), True on the '
+                         f'masked tokens, got {shape}')
+    kept = ~masked.bool()
+    counts = kept.sum(1)
+    if bool((counts != counts[0]).any()):
+        raise ValueError(f'patch_vision ({family.label}): bool_masked_pos must mask as many tokens in every sample '
+                         f'(the host stacks the kept ones), got {counts.tolist()} kept')
+    return kept.nonzero()[:, 1].view(masked.shape[0], -1)
+
+
+def _native_video_grid(config: Any) -> Tuple[int, int, int]:
+    (h, w), (ph, pw) = _pair(config.image_size), _pair(config.patch_size)
+    return int(config.num_frames) // int(config.tubelet_size), h // ph, w // pw
+
+
 # ----------------------------------------------------------------------------------------- the family table
 def _native_image_grid(config: Any) -> Tuple[int, int]:
     (h, w), (ph, pw) = _pair(config.image_size), _pair(config.patch_size)
@@ -202,34 +344,60 @@ class VisionFamily:
         towers: class names of the tower (the module holding ``embeddings`` and the layers).
         layers: dotted path from the tower to its list of layers.
         attention: the attention module's attribute on a layer.
-        out_proj, scale, dropout: the attention's output projection, logit scale and dropout attributes.
+        out_proj, scale, dropout: the attention's output projection (None: the host applies it after the
+            module), logit scale and dropout attributes.
         prefix: the embeddings' prefix-token parameters, in sequence order (``register_tokens`` counts
             ``config.num_register_tokens`` tokens, the others one each).
         patch: the embeddings' patch-embedding module (a conv whose output is flattened, or a linear map
-            of already-patchified pixels).
+            of already-patchified pixels); None where the patch replaces no embeddings forward of its own
+            (``'varlen'``: the embeddings module runs as transformers defines it).
         table: dotted path from the tower to the learned position table (a ``(1, N, C)`` parameter or an
             ``nn.Embedding``), None without one; ``table_prefix``: its rows for prefix tokens.
         own: the options of the model's own encoding (``'learned'``'s resampling), or a function of the
             config giving its spec.
         positions: ``(family, tower, args, kwargs) -> Positions`` for one forward of the tower.
         native_grid: ``config -> (h, w)``, the training grid.
-        unused: tower submodules whose output the patched attention no longer reads (made to return None).
+        unused: tower submodules whose output the patched attention no longer reads (made to return an empty
+            tuple, which a host that iterates over it takes too).
         threads_kwargs: the tower's forward passes its ``**kwargs`` down to the attentions (transformers'
             rule); False (Idefics3, SmolVLM call their encoder without them): the attentions read the
             prepared encoding of the running forward from the handle.
-        canvas: images padded on a shared canvas (``patch_attention_mask``): the tokens run packed, each
-            image's grid first (`vispe.positions.pack_padded_grid`), from the embeddings to the tower's
-            output, which is put back in canvas order; the attentions mask the padded keys themselves.
+        layout: how the tower's tokens lie: ``'batch'`` (``(B, N, C)``, one grid or NaFlex grids per
+            image), ``'canvas'`` (images padded on a shared canvas, ``patch_attention_mask``: the tokens run
+            packed, each image's grid first, `vispe.positions.pack_padded_grid`, from the embeddings to the
+            tower's output, which is put back in canvas order; the attentions mask the padded keys
+            themselves) or ``'varlen'`` (one sequence ``(N, C)`` of images and frames attended in segments,
+            ``cu_seqlens``: each attention packs its q, k, v into a batch of the frames' own grids,
+            `vispe.integrations._vision_packed`, and unpacks its output into the host's order).
+        embeddings: the module whose forward the patch replaces to add the encoding's additive part: an
+            embeddings module holding ``prefix`` and ``patch`` (``'batch'``, ``'canvas'``), or the patch
+            embedding itself, run as transformers defines it (``'varlen'``).
+        qkv: the attention's fused q/k/v projection (Qwen-VL's ``qkv``), None for ``q_proj`` / ``k_proj`` /
+            ``v_proj``.
+        width, heads: the config's attribute names of the tower's width and number of heads.
+        windows: the tower attends in windows (Qwen2.5-VL, `transformers.vision_utils.get_vision_window_index`)
+            except in the blocks of ``config.fullatt_block_indexes``.
+        zeroed: tower submodules computing the host's table, made to return zero (the encoding adds its own).
+        returns_weights: the attention returns ``(output, weights)`` (transformers' rule; Qwen-VL's returns
+            the output alone).
+        qk_norm: the attention's q and k norms over the projections' whole width (InternVL), None without.
+        out_dropout: the attention's dropout after its output projection, None without.
+        projections: the attention's q, k and v projections (without a fused ``qkv``); ``head_dim``: its
+            attribute holding the head width.
+        embeddings_forward: the handle's method that replaces the embeddings' forward (``'_embeddings'``,
+            ``'_packed_embeddings'``, ``'_tubelet_embeddings'``).
+        drops_masked: ``bool_masked_pos`` drops the masked tokens (VideoMAE's pretraining): the attentions get
+            the encoding prepared for the kept tokens (`vispe.PreparedPE.select`), the embeddings the whole grid.
     """
     label: str
     towers: Tuple[str, ...]
     layers: str
     attention: str
-    out_proj: str
+    out_proj: Optional[str]
     scale: str
     dropout: str
     prefix: Tuple[str, ...]
-    patch: str
+    patch: Optional[str]
     table: Optional[str]
     table_prefix: int
     own: Any
@@ -237,7 +405,20 @@ class VisionFamily:
     native_grid: Callable[[Any], Tuple[int, int]] = _native_image_grid
     unused: Tuple[str, ...] = ()
     threads_kwargs: bool = True
-    canvas: bool = False
+    layout: str = 'batch'
+    embeddings: str = 'embeddings'
+    qkv: Optional[str] = None
+    width: str = 'hidden_size'
+    heads: str = 'num_attention_heads'
+    windows: bool = False
+    zeroed: Tuple[str, ...] = ()
+    returns_weights: bool = True
+    qk_norm: Optional[Tuple[str, str]] = None
+    out_dropout: Optional[str] = None
+    projections: Tuple[str, str, str] = ('q_proj', 'k_proj', 'v_proj')
+    head_dim: str = 'head_dim'
+    embeddings_forward: str = '_embeddings'
+    drops_masked: bool = False
 
     def num_prefix(self, config: Any) -> int:
         return sum(int(config.num_register_tokens) if p == 'register_tokens' else 1 for p in self.prefix)
@@ -254,6 +435,55 @@ def _dinov3_spec(config: Any) -> Dict[str, Any]:
         if getattr(config, theirs, None) is not None:
             spec[ours] = float(getattr(config, theirs))
     return spec
+
+
+def _qwen_rope_spec(config: Any) -> Dict[str, Any]:
+    """The Qwen-VL towers' 2D rope (``Qwen2VLVisionRotaryEmbedding``, the same in Qwen2.5-VL and Qwen3-VL) as
+    ``rope_timm``: integer (row, column) patch indices, ``hd / 4`` frequencies ``rope_theta^(-4k / hd)`` per
+    axis, the row's first, rotate-half pairs ``(j, j + hd / 2)`` (angles computed in float32)."""
+    return dict(name='rope_timm', rope_type='cat', temperature=float(config.rope_parameters['rope_theta']),
+                grid_indexing='ij', rotate_half=True)
+
+
+def _qwen3_spec(config: Any) -> List[Dict[str, Any]]:
+    """Qwen3-VL's tower: its rope (`_qwen_rope_spec`) and its learned square table, resampled to each frame's
+    grid with bilinear taps and aligned corners (`transformers.vision_utils.get_vision_interpolation_indices_and_weights`),
+    as one weight matrix (``learned``'s ``resample='weights'``)."""
+    return [_qwen_rope_spec(config), dict(name='learned', interpolation='bilinear', antialias=False,
+                                          align_corners=True, resample='weights')]
+
+
+def _native_table_grid(config: Any) -> Tuple[int, int]:
+    side = math.isqrt(config.num_position_embeddings)
+    return side, side
+
+
+def _internvl_spec(config: Any) -> PESpec:
+    """InternVL's vision table, resampled as ViT's (bicubic, no antialias); ``'none'`` for a tower built without
+    one (``use_absolute_position_embeddings=False``)."""
+    return dict(name='learned', **_BICUBIC) if config.use_absolute_position_embeddings else 'none'
+
+
+def _videomae_spec(config: Any) -> Dict[str, Any]:
+    """VideoMAE's ``get_sinusoid_encoding_table`` as ``sincos``: the Transformer's 1D table (interleaved sines
+    and cosines, ``10000^(-2k / C)``) over each tubelet's row-major index."""
+    return dict(name='sincos', flatten=True, pairing='interleaved')
+
+
+def _pixtral_spec(config: Any) -> Dict[str, Any]:
+    """Pixtral's rope (``PixtralVisionRotaryEmbedding``) as ``rope_timm``: integer (row, column) patch indices,
+    the row on the even and the column on the odd entries of ``rope_theta^(-2j / hd)``, rotate-half pairs."""
+    return dict(name='rope_timm', rope_type='cat', temperature=float(config.rope_parameters['rope_theta']),
+                grid_indexing='ij', rotate_half=True, axis_bands='alternating')
+
+
+QWEN_REFERENCE_GRID = (16, 16)
+"""The training grid given to encodings in Qwen2-VL and Qwen2.5-VL towers, which have no table of their own
+(a ``learned`` table's size; what ``normalized`` coordinates rescale to): 224 pixels at patch 14."""
+
+
+def _qwen_reference_grid(config: Any) -> Tuple[int, int]:
+    return QWEN_REFERENCE_GRID
 
 
 _BICUBIC = dict(interpolation='bicubic', antialias=False)  # transformers' interpolate_pos_encoding
@@ -281,10 +511,40 @@ FAMILIES: Tuple[VisionFamily, ...] = (
     VisionFamily('Idefics3 / SmolVLM vision', ('Idefics3VisionTransformer', 'SmolVLMVisionTransformer'),
                  'encoder.layers', 'self_attn', 'out_proj', 'scale', 'dropout', (), 'patch_embedding',
                  'embeddings.position_embedding', 0, dict(resample='buckets'), canvas_positions,
-                 threads_kwargs=False, canvas=True),
+                 threads_kwargs=False, layout='canvas'),
     VisionFamily('DINOv3-ViT', ('DINOv3ViTModel',), 'model.layer', 'attention', 'o_proj', 'scaling', 'dropout',
                  ('cls_token', 'register_tokens'), 'patch_embeddings', None, 0, _dinov3_spec,
                  unused=('rope_embeddings',)),
+    # one sequence of images and frames attended in segments (cu_seqlens), merge-block token order, fused qkv
+    VisionFamily('Qwen2-VL vision', ('Qwen2VisionTransformerPretrainedModel',), 'blocks', 'attn', 'proj', 'scaling',
+                 'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
+                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 embeddings_forward='_packed_embeddings', qkv='qkv',
+                 width='embed_dim', heads='num_heads', returns_weights=False),
+    VisionFamily('Qwen2.5-VL vision', ('Qwen2_5_VisionTransformerPretrainedModel',), 'blocks', 'attn', 'proj',
+                 'scaling', 'attention_dropout', (), None, None, 0, _qwen_rope_spec, varlen_positions,
+                 _qwen_reference_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 embeddings_forward='_packed_embeddings', qkv='qkv',
+                 heads='num_heads', windows=True, returns_weights=False),
+    # q/k norms over the whole width, a dropout after the output projection; its encoder takes no **kwargs
+    VisionFamily('InternVL vision', ('InternVLVisionModel',), 'encoder.layer', 'attention', 'projection_layer', 'scale',
+                 'attention_dropout', ('cls_token',), 'patch_embeddings', 'embeddings.position_embeddings', 1,
+                 _internvl_spec, threads_kwargs=False, qk_norm=('q_norm', 'k_norm'), out_dropout='projection_dropout'),
+    # its own 2D rope; images of their own sizes along one sequence, a block-diagonal mask
+    VisionFamily('Pixtral vision', ('PixtralVisionModel',), 'transformer.layers', 'attention', 'o_proj', 'scaling',
+                 'dropout', (), None, None, 0, _pixtral_spec, pixtral_positions, unused=('patch_positional_embedding',),
+                 layout='varlen', embeddings='ln_pre', embeddings_forward='_packed_embeddings'),
+    # tubelets of a video; a fixed 1D sin-cos table over the token index; masked tokens dropped in pretraining
+    VisionFamily('VideoMAE', ('VideoMAEModel',), 'encoder.layer', 'attention.attention', None, 'scaling',
+                 'dropout_prob', (), 'patch_embeddings', None, 0, _videomae_spec, video_positions,
+                 _native_video_grid, threads_kwargs=False, projections=('query', 'key', 'value'),
+                 head_dim='attention_head_size', embeddings_forward='_tubelet_embeddings', drops_masked=True),
+    # the rope and a learned table, resampled by bilinear taps with aligned corners; deepstack mergers
+    VisionFamily('Qwen3-VL vision', ('Qwen3VLVisionModel', 'Qwen3VLMoeVisionModel'), 'blocks', 'attn', 'proj',
+                 'scaling', 'attention_dropout', (), None, 'pos_embed', 0, _qwen3_spec, varlen_positions,
+                 _native_table_grid, unused=('rotary_pos_emb',), layout='varlen', embeddings='patch_embed',
+                 embeddings_forward='_packed_embeddings', qkv='qkv',
+                 heads='num_heads', zeroed=('pos_embed',), returns_weights=False),
 )
 SUPPORTED_TOWERS = tuple(t for f in FAMILIES for t in f.towers)
 _BY_TOWER = {t: f for f in FAMILIES for t in f.towers}
@@ -331,15 +591,22 @@ def _check_layout(tower: nn.Module, family: VisionFamily) -> List[nn.Module]:
     why = f'not the transformers >= {SUPPORTED_TRANSFORMERS[0]}, < {SUPPORTED_TRANSFORMERS[1]} {family.label} layout'
     try:
         layers = list(_path(tower, family.layers))
-        embeddings = tower.embeddings
+        embeddings = _path(tower, family.embeddings)
+        for name in family.unused + family.zeroed:
+            _path(tower, name)
     except AttributeError as e:
         raise UnsupportedModelError(f'patch_vision: {type(tower).__name__} has no {e.name!r}: {why}') from None
-    for name in family.prefix + (family.patch,):
+    for name in family.prefix + ((family.patch,) if family.patch else ()):
         if not hasattr(embeddings, name):
             raise UnsupportedModelError(f'patch_vision: {type(embeddings).__name__} has no {name!r}: {why}')
+    projections = ((family.qkv,) if family.qkv else family.projections) + tuple(family.qk_norm or ()) + (
+        (family.out_dropout,) if family.out_dropout else ()) + ((family.out_proj,) if family.out_proj else ())
     for i, layer in enumerate(layers):
-        attn = getattr(layer, family.attention, None)
-        missing = [a for a in ('q_proj', 'k_proj', 'v_proj', 'head_dim', family.out_proj, family.scale, family.dropout)
+        try:
+            attn = _path(layer, family.attention)
+        except AttributeError:
+            attn = None
+        missing = [a for a in projections + (family.head_dim, family.scale, family.dropout)
                    if not hasattr(attn, a)]
         if missing:
             raise UnsupportedModelError(f'patch_vision: layer {i} of {type(tower).__name__} has no '
@@ -350,9 +617,15 @@ def _check_layout(tower: nn.Module, family: VisionFamily) -> List[nn.Module]:
 # ----------------------------------------------------------------------------------------- the handle
 @dataclass
 class _Forward:
-    """One running forward: the prepared encoding and, for a padded canvas, its packed layout."""
+    """One running forward: the prepared encoding and, for a padded canvas, its packed layout; for a packed
+    tower (``'varlen'``) its layouts and the encoding prepared for its windows (None without windows or
+    without attention hooks); where masked tokens are dropped, the encoding prepared for the whole grid, which
+    the embeddings take (``prepared`` is then for the kept tokens)."""
     prepared: PreparedPE
     packed: Optional[PaddedGrid] = None
+    layout: Optional[VarlenLayout] = None
+    windows: Optional[PreparedPE] = None
+    embedded: Optional[PreparedPE] = None
 
 
 class VisionPatch(ModelPatch):
@@ -372,6 +645,7 @@ class VisionPatch(ModelPatch):
         super().__init__(model)
         self.tower, self.tower_name, self.family, self.encoding = tower, tower_name, family, encoding
         self.spec, self.report = spec, report
+        self._full_layers = frozenset(getattr(tower.config, 'fullatt_block_indexes', None) or ())
         self._forwards: List[_Forward] = []  # the forward running, for the embeddings (and unthreaded attentions)
 
     # ------------------------------------------------------------------ one forward
@@ -380,10 +654,24 @@ class VisionPatch(ModelPatch):
         """The tower's forward pre-hook: this forward's positions, the encoding prepared once for them and
         added to the call's keyword arguments, which transformers threads to every attention."""
         pos = self.family.positions(self.family, tower, args, kwargs)
-        packed = pack_padded_grid(pos) if self.family.canvas and pos.key_padding_mask is not None else None
+        if isinstance(pos, VarlenLayout):  # a packed tower: the frames' positions, and its windows' if any
+            windows = pos.windows
+            prepared = self.encoding.prepare(pos.frames.positions)
+            in_windows = (self.encoding.prepare(windows.positions)
+                          if windows is not None and self.encoding.capabilities.in_attention else None)
+            current = _Forward(prepared, layout=pos, windows=in_windows)
+            self._forwards.append(current)
+            return args, {**kwargs, PREPARED_KWARG: prepared, LAYOUT_KWARG: current}
+        packed = pack_padded_grid(pos) if self.family.layout == 'canvas' and pos.key_padding_mask is not None else None
         prepared = self.encoding.prepare(packed.positions if packed is not None else pos)
-        self._forwards.append(_Forward(prepared, packed))
-        return args, {**kwargs, PREPARED_KWARG: prepared}
+        masked = _argument(args, kwargs, 1, 'bool_masked_pos') if self.family.drops_masked else None
+        if masked is not None:  # the attentions see the kept tokens, the embeddings the whole grid
+            kept = _kept_tokens(self.family, masked, pos.coords.shape[-2])
+            current = _Forward(prepared.select(kept), embedded=prepared)
+        else:
+            current = _Forward(prepared, packed)
+        self._forwards.append(current)
+        return args, {**kwargs, PREPARED_KWARG: current.prepared}
 
     def _end(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         """The tower's forward hook (also when the forward raises): packed tokens back in canvas order;
@@ -437,6 +725,21 @@ class VisionPatch(ModelPatch):
         dropout = getattr(embeddings, 'dropout', None)
         return dropout(x) if isinstance(dropout, nn.Module) else x
 
+    def _tubelet_embeddings(self, embeddings: nn.Module, pixel_values: Tensor,
+                            bool_masked_pos: Optional[Tensor] = None, *args: Any, **kwargs: Any) -> Tensor:
+        """The forward of a video tower's embeddings (VideoMAE): the tubelet projection of ``(B, T, C, H, W)``
+        pixels as transformers defines it (at any size the tubelet divides: its own forward refuses all but
+        the configured one), the encoding's additive part in place of the host's table, then the masked
+        tokens dropped."""
+        patch = getattr(embeddings, self.family.patch)
+        x = patch.projection(pixel_values.permute(0, 2, 1, 3, 4).to(patch.projection.weight.dtype))
+        x = x.flatten(2).transpose(1, 2)
+        current = self._current()
+        x = (current.embedded or current.prepared).embed(x)
+        if bool_masked_pos is not None:
+            x = x[~bool_masked_pos].reshape(x.shape[0], -1, x.shape[-1])
+        return x
+
     def _attention(self, module: nn.Module, layer: int, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
                    *args: Any, **kwargs: Any) -> Tuple[Tensor, None]:
         """The forward of one self-attention ``module`` of the tower (its q/k/v projections, `vispe.pe_attention`
@@ -444,26 +747,91 @@ class VisionPatch(ModelPatch):
         prepared = self._prepared(kwargs, f'attention {layer}')
         b, n, _ = hidden_states.shape
         fam = self.family
-        if fam.canvas:  # the host's mask is in canvas order; the tokens run packed
+        if fam.layout == 'canvas':  # the host's mask is in canvas order; the tokens run packed
             attention_mask = None
-        q, k, v = (proj(hidden_states).view(b, n, -1, module.head_dim).transpose(1, 2)
-                   for proj in (module.q_proj, module.k_proj, module.v_proj))
+        q, k, v = (getattr(module, proj)(hidden_states) for proj in fam.projections)
+        if fam.qk_norm:  # over the whole width, before the heads are split (InternVL)
+            q, k = getattr(module, fam.qk_norm[0])(q), getattr(module, fam.qk_norm[1])(k)
+        head_dim = getattr(module, fam.head_dim)
+        q, k, v = (t.view(b, n, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         o = pe_attention(q, k, v, prepared, layer, x=hidden_states, attn_mask=_mask(attention_mask, prepared),
                          scale=getattr(module, fam.scale),
                          dropout_p=getattr(module, fam.dropout) if module.training else 0.0)
-        return getattr(module, fam.out_proj)(o.transpose(1, 2).reshape(b, n, -1)), None
+        o = o.transpose(1, 2).reshape(b, n, -1)
+        if fam.out_proj:  # else the host applies it after this module (VideoMAE)
+            o = getattr(module, fam.out_proj)(o)
+        return (getattr(module, fam.out_dropout)(o) if fam.out_dropout else o), None
+
+    def _running(self, kwargs: Dict[str, Any], what: str) -> _Forward:
+        """The running forward of a packed tower, from the call's keyword arguments."""
+        current = kwargs.get(LAYOUT_KWARG)
+        if current is None:
+            raise RuntimeError(f'patch_vision: {what} of the patched {self.family.label} was called without '
+                               f'{LAYOUT_KWARG}=: it runs inside the patched tower\'s forward, which lays out its '
+                               f'packed images and passes them down with the layers\' keyword arguments')
+        return current
+
+    def _packed_embeddings(self, module: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """The forward of a packed tower's patch embedding: transformers' own, then the encoding's additive
+        part on the frames' batch."""
+        x = type(module).forward(module, hidden_states, *args, **kwargs)
+        if not self.encoding.capabilities.additive:
+            return x
+        current = self._current()
+        frames = current.layout.frames
+        return frames.unpack(current.prepared.embed(frames.pack(x.flatten(0, -2)))).view_as(x)
+
+    def _packed_attention(self, module: nn.Module, layer: int, hidden_states: Tensor, *args: Any,
+                          **kwargs: Any) -> Any:
+        """The forward of one attention of a packed tower (Qwen-VL, Pixtral): its q/k/v projections, q, k and v
+        packed into the batch of its segments (frames, or windows in a windowed block), `vispe.pe_attention`
+        with the encoding prepared for them and a mask of the padded keys, the output unpacked into the
+        host's order, its output projection. The host's segments (``cu_seqlens``, a block-diagonal mask)
+        and rotary tables are not read: the layout of this forward gives the same segments."""
+        prepared: Optional[PreparedPE] = self._prepared(kwargs, f'attention {layer}')
+        current = self._running(kwargs, f'attention {layer}')
+        fam = self.family
+        packing = current.layout.frames
+        if current.layout.windows is not None and layer not in self._full_layers:
+            packing, prepared = current.layout.windows, current.windows
+        x = hidden_states.flatten(0, -2)  # (N, C): Qwen-VL's sequence, Pixtral's batch of one
+        if fam.qkv:
+            tokens = packing.pack(getattr(module, fam.qkv)(x))  # (S, n, 3C)
+            s, n, _ = tokens.shape
+            q, k, v = tokens.view(s, n, 3, -1, getattr(module, fam.head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = (packing.pack(getattr(module, proj)(x)) for proj in fam.projections)
+            s, n, _ = q.shape
+            q, k, v = (t.view(s, n, -1, getattr(module, fam.head_dim)).transpose(1, 2) for t in (q, k, v))
+        needs_x = prepared is not None and prepared.capabilities.needs_tokens
+        pad = packing.positions.key_padding_mask
+        o = pe_attention(q, k, v, prepared, layer, x=packing.pack(x) if needs_x else None,
+                         attn_mask=None if pad is None else ~pad[:, None, None, :],
+                         scale=getattr(module, fam.scale),
+                         dropout_p=getattr(module, fam.dropout) if module.training else 0.0)
+        o = getattr(module, fam.out_proj)(packing.unpack(o.transpose(1, 2).reshape(s, n, -1))).view_as(hidden_states)
+        return (o, None) if fam.returns_weights else o
 
     def _between_blocks(self, index: int, layer: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                         output: Any) -> Any:
         """A layer's forward hook: the encoding's between-blocks map (PEG) after block ``index``."""
         prepared = self._prepared(kwargs, f'layer {index}')
+        if self.family.layout == 'varlen':  # on the frames' batch
+            frames = self._running(kwargs, f'layer {index}').layout.frames
+            return frames.unpack(prepared.between_blocks(frames.pack(output.flatten(0, -2)), index)).view_as(output)
         if isinstance(output, tuple):
             return (prepared.between_blocks(output[0], index),) + output[1:]
         return prepared.between_blocks(output, index)
 
-    def _skipped(self, *args: Any, **kwargs: Any) -> None:
-        """The forward of a module whose output the patched attention no longer reads."""
-        return None
+    def _skipped(self, *args: Any, **kwargs: Any) -> Tuple[()]:
+        """The forward of a module whose output the patched attention no longer reads: an empty tuple (Qwen2.5-VL
+        iterates over its rotary tables before the blocks)."""
+        return ()
+
+    def _zero(self, module: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+        """The forward of a host's table module whose rows the encoding replaces: a zero scalar, which the host's
+        weighted sum and addition carry through exactly."""
+        return next(module.parameters()).new_zeros(())
 
     # ------------------------------------------------------------------ install / remove
     def _install(self, layers: List[nn.Module]) -> None:
@@ -472,14 +840,19 @@ class VisionPatch(ModelPatch):
         self.set(tower, 'vispe_pe', self.encoding)
         self.add_hook(tower, self._begin, 'forward_pre', with_kwargs=True)
         self.add_hook(tower, self._end, with_kwargs=True, always_call=True)
-        embeddings = tower.embeddings
-        self.set(embeddings, 'forward', partial(self._embeddings, embeddings), 'embeddings')
+        packed = fam.layout == 'varlen'
+        embeddings = _path(tower, fam.embeddings)
+        forward = getattr(self, fam.embeddings_forward)
+        self.set(embeddings, 'forward', partial(forward, embeddings), fam.embeddings)
         for name in fam.unused:
-            unused = _path(tower, name)
-            self.set(unused, 'forward', self._skipped, name)
+            self.set(_path(tower, name), 'forward', self._skipped, name)
+        for name in fam.zeroed:
+            zeroed = _path(tower, name)
+            self.set(zeroed, 'forward', partial(self._zero, zeroed), name)
+        attention = self._packed_attention if packed else self._attention
         for i, layer in enumerate(layers):
-            attn = getattr(layer, fam.attention)
-            self.set(attn, 'forward', partial(self._attention, attn, i), f'{fam.layers}.{i}.{fam.attention}')
+            attn = _path(layer, fam.attention)
+            self.set(attn, 'forward', partial(attention, attn, i), f'{fam.layers}.{i}.{fam.attention}')
             if caps.between_blocks:
                 self.add_hook(layer, partial(self._between_blocks, i), with_kwargs=True, label=f'{fam.layers}.{i}')
         self.activate()
@@ -514,6 +887,8 @@ def _host_table(tower: nn.Module, family: VisionFamily) -> Optional[Tensor]:
     if family.table is None:
         return None
     table = _path(tower, family.table)
+    if table is None:  # a tower built without its table (InternVL's use_absolute_position_embeddings=False)
+        return None
     table = table.weight if isinstance(table, nn.Embedding) else table
     return table.detach().reshape(1, -1, table.shape[-1])
 
@@ -543,8 +918,11 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
     Args:
         model: a transformers vision encoder (``ViTModel``, ``DeiTModel``, ``Dinov2Model``,
             ``Dinov2WithRegistersModel``, ``DINOv3ViTModel``, ``SiglipVisionModel``, ``Siglip2VisionModel``,
-            ``CLIPVisionModel``, ``Idefics3VisionTransformer``, ``SmolVLMVisionTransformer``) or a model holding
-            exactly one (``ViTForImageClassification``, ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``, ...).
+            ``CLIPVisionModel``, ``Idefics3VisionTransformer``, ``SmolVLMVisionTransformer``, ``InternVLVisionModel``,
+            ``PixtralVisionModel``, the vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL) or a model holding
+            exactly one (``ViTForImageClassification``, ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``,
+            ``LlavaForConditionalGeneration``, ``PaliGemmaForConditionalGeneration``, ``InternVLModel``,
+            ``Qwen2VLForConditionalGeneration``, ...).
         pe: any vispe encoding spec (``'rope_mixed'``, ``'liere'``, ``'irpe+learned'``, ...); None: the
             model's own encoding, computed by vispe (module docstring); ``'none'``: no encoding (NoPE).
         options: options of the encoding (override the spec's).
@@ -564,11 +942,11 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
     config = tower.config
     if pe is None:
         pe = own_spec(family, config)
-    first = getattr(layers[0], family.attention) if layers else None
-    heads = config.num_attention_heads
-    head_dim = first.head_dim if first is not None else config.hidden_size // heads
+    first = _path(layers[0], family.attention) if layers else None
+    heads, width = int(getattr(config, family.heads)), int(getattr(config, family.width))
+    head_dim = getattr(first, family.head_dim) if first is not None else width // heads
     grid_size = family.native_grid(config)
-    ctx = PEContext(dim=config.hidden_size, num_heads=heads, head_dim=head_dim, depth=len(layers), grid_size=grid_size,
+    ctx = PEContext(dim=width, num_heads=heads, head_dim=head_dim, depth=len(layers), grid_size=grid_size,
                     num_prefix_tokens=family.num_prefix(config))
     ref = next(iter(tower.parameters()))
     try:

@@ -371,6 +371,9 @@ def _rotate(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], kind
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)) and not is_tracing():
         out = _SavedOutputRotation.apply(kind, block, len(inputs), *inputs, *params)
         return (out,) if len(inputs) == 1 else out
+    if kind == 'half_table' and len(inputs) > 1 and not is_tracing():
+        # elementwise on each input: stacking q and k would add a copy of both and widen nothing
+        return tuple(_forward(kind, block, x, params, keep_layout=False) for x in inputs)
     out = _forward(kind, block, _stack(inputs, as_view=KINDS[kind].reads_views), params, keep_layout=False)
     return (out,) if len(inputs) == 1 else out.unbind(0)
 
