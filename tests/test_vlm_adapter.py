@@ -405,7 +405,7 @@ def test_the_docs_page_examples_run():
     from pathlib import Path
     page = Path(__file__).resolve().parents[1] / 'docs' / 'vlm.md'
     blocks = re.findall(r'```python\n(.*?)```', page.read_text(), re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         exec(compile(block, str(page), 'exec'), {})
 
@@ -421,3 +421,62 @@ def test_the_benchmark_runs_and_checks_its_ids_against_get_rope_index():
                       '--tokens', '3000', '--rounds', '1', '--schemes'])
     assert set(out) == {'train unpatched', 'train patched own (mrope)', 'ids speedup'}
     assert out['train unpatched'] == 1.0 and out['ids speedup'] > 0
+
+
+# ---------------------------------------------------------------------------------------------- both sides
+@pytest.mark.parametrize('family', ['qwen2_vl', 'qwen3_vl'])
+def test_vision_pe_none_gives_both_sides_their_own_encodings_and_the_unpatched_logits(family):
+    model = tiny_qwen_vl(family, layers=1)
+    batch = qwen_vl_batch(family, INPUTS['mixed_left_padded'])
+    ref = logits(model, batch)
+    with patch_vlm(model, vision_pe=None) as handle:
+        assert handle.vision is not None and handle.vision.encoding is not None
+        out = logits(model, batch)
+    mask = batch['attention_mask'].bool()
+    assert (out - ref)[mask].abs().max().item() <= 1e-5
+
+
+def test_both_sides_in_one_call_change_both_and_remove_together():
+    family = 'qwen2_vl'
+    model = tiny_qwen_vl(family, layers=1)
+    batch = qwen_vl_batch(family, INPUTS['image'])
+    ref = logits(model, batch)
+    state, modules = _snapshot(model)
+    with torch.no_grad():
+        language_only = patch_vlm(model, 'videorope')
+        a = logits(model, batch)
+        language_only.remove()
+    handle = patch_vlm(model, 'videorope', vision_pe='rope_mixed')
+    assert handle.vision.encoding.name == 'rope_mixed' and 'vispe_pe' in dict(model.model.visual.named_children())
+    both = logits(model, batch)
+    assert (both - a).abs().max() > 1e-4  # the tower's encoding moved the image tokens' features
+    from vispe.integrations import patch_vision
+    with pytest.raises(AlreadyPatchedError, match='already patched'):
+        patch_vision(model.model.visual, 'liere')  # the tower belongs to this model's one patch
+    handle.remove()
+    assert not handle.vision.active
+    state2, modules2 = _snapshot(model)
+    assert all(torch.equal(state[k], state2[k]) for k in state) and modules.keys() == modules2.keys()
+    for name, (ident, attrs, hooks) in modules.items():
+        assert attrs.keys() == modules2[name][1].keys() and hooks.keys() == modules2[name][2].keys(), name
+    assert torch.equal(logits(model, batch), ref)
+
+
+def test_both_sides_patched_model_deep_copies_and_pickles():
+    from adapter_checks import check_deepcopy, check_pickle
+    batch = qwen_vl_batch('qwen2_5_vl', INPUTS['image'])
+    check_deepcopy(tiny_qwen_vl('qwen2_5_vl', layers=1), lambda m: patch_vlm(m, 'mrope', vision_pe='liere'),
+                   _eval_logits(batch))
+    check_pickle(tiny_qwen_vl('qwen2_5_vl', layers=1), lambda m: patch_vlm(m, vision_pe='rope_mixed'),
+                 _eval_logits(batch))
+
+
+def test_a_vision_pe_the_tower_cannot_take_leaves_the_model_unpatched():
+    model = tiny_qwen_vl('qwen2_vl', layers=1)
+    state, modules = _snapshot(model)
+    with pytest.raises(ValueError):
+        patch_vlm(model, 'mrope', vision_pe='prope')  # needs cameras
+    state2, modules2 = _snapshot(model)
+    assert all(torch.equal(state[k], state2[k]) for k in state)
+    assert {n: (a.keys(), h.keys()) for n, (_, a, h) in modules.items()} == \
+        {n: (a.keys(), h.keys()) for n, (_, a, h) in modules2.items()}

@@ -140,8 +140,9 @@ class ModelPatch:
 
     # ------------------------------------------------------------------ undoing them
     def remove(self) -> None:
-        """Restore the instance: the original modules and attributes, no hooks, no marks."""
-        if not self._active:
+        """Restore the instance: the original modules and attributes, no hooks, no marks. Also undoes what
+        an install that failed half-way had recorded (an adapter calls it then: nothing stays patched)."""
+        if not (self._active or self._saved or self._hooks):
             return
         for module, kind, hook_id in reversed(self._hooks):
             for registry in _HOOK_DICTS[kind]:

@@ -224,9 +224,12 @@ class VLMPatch(ModelPatch):
     Attributes:
         encoding: the `vispe.encodings.multimodal.MultimodalRoPE` in use; ``rotary``: the `VLMRotary` installed.
         family: the model family's name (``'Qwen2.5-VL'``); ``rule``: ``'5.x'`` or ``'4.x'``.
+        vision: the `vispe.integrations.VisionPatch` of the vision tower when ``vision_pe`` was given (one
+            handle for the whole model: removing this one removes both), else None.
         replaced: ``(owner, attribute name)`` of everything replaced, for the record.
     """
     adapter = 'patch_vlm'
+    vision: Optional['ModelPatch'] = None
 
     def __init__(self, model: nn.Module, inner: nn.Module, family: _Family, encoding: MultimodalRoPE,
                  rotary: VLMRotary, rule: str) -> None:
@@ -362,9 +365,12 @@ class VLMPatch(ModelPatch):
         self.activate()
 
     def remove(self) -> None:
-        """Restore the instance: the original attributes and modules, no hooks, the old ``rope_deltas``."""
+        """Restore the instance: the original attributes and modules, no hooks, the old ``rope_deltas``, and
+        the vision tower's own encoding where ``vision_pe`` replaced it."""
         if self.active:
             self.inner.rope_deltas = self._saved_rope_deltas
+        if self.vision is not None:
+            self.vision.remove()
         super().remove()
 
     def __repr__(self) -> str:
@@ -419,7 +425,11 @@ def _spec(pe: Any, legacy: Dict[str, Any]) -> Tuple[Optional[str], Dict[str, Any
     return name, {**options, **legacy}
 
 
-def patch_vlm(model: nn.Module, pe: PESpec = None, *, rule: Optional[str] = None, **legacy: Any) -> VLMPatch:
+_TOWER_UNCHANGED = object()  # vision_pe left out: the vision tower keeps its own code
+
+
+def patch_vlm(model: nn.Module, pe: PESpec = None, *, vision_pe: Any = _TOWER_UNCHANGED, rule: Optional[str] = None,
+              **legacy: Any) -> VLMPatch:
     """Make one Qwen-VL-family model instance use a multimodal encoding; returns the `VLMPatch`.
 
     Args:
@@ -429,6 +439,9 @@ def patch_vlm(model: nn.Module, pe: PESpec = None, *, rule: Optional[str] = None
             or a dict); None: the model's own (``mrope`` for Qwen2-VL / Qwen2.5-VL with their time rule,
             ``mrope_interleave`` for Qwen3-VL), which gives the unpatched model's outputs. Options left out
             take the model's values: ``theta``, ``sections`` (for its own encoding) and ``tokens_per_second``.
+        vision_pe: also give the vision tower an encoding (`vispe.integrations.patch_vision`: any image or
+            video encoding, ``'rope_mixed'``, ``'liere'``, ...; None: the tower's own, computed by vispe), so
+            that both sides change in one call and one handle; left out, the tower is untouched.
         rule: ``'5.x'`` (default: the installed transformers' ``get_rope_index``) or ``'4.x'``.
         legacy: the deprecated spelling ``scheme='videorope', delta=2`` (one release).
 
@@ -475,5 +488,14 @@ def patch_vlm(model: nn.Module, pe: PESpec = None, *, rule: Optional[str] = None
     handle = VLMPatch(model, inner, family, encoding, VLMRotary(encoding), rule)
     attn = [(f'language_model.layers.{i}.self_attn', layer.self_attn)
             for i, layer in enumerate(inner.language_model.layers)]
-    handle._install(attn)
+    if vision_pe is not _TOWER_UNCHANGED:
+        from .transformers_vision import patch_vision
+        # the tower is patched first and this handle then marks the whole tree: one patch per model, whose
+        # remove() takes the tower's patch with it
+        handle.vision = patch_vision(inner.visual, vision_pe)
+    try:
+        handle._install(attn)
+    except BaseException:
+        handle.remove()  # nothing patched half-way: the tower and what the install had changed
+        raise
     return handle
