@@ -11,7 +11,7 @@ from typing import Any
 
 from ..options import short_repr
 
-__all__ = ['check_positive', 'check_nonnegative', 'check_min_int', 'check_choice', 'check_bool']
+__all__ = ['check_positive', 'check_nonnegative', 'check_min_int']
 
 
 def _where(encoding: str, option: str) -> str:
@@ -45,18 +45,4 @@ def check_min_int(encoding: str, option: str, value: int, minimum: int = 1) -> i
     """``value`` if it is an integer >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f'{_where(encoding, option)} must be an integer >= {minimum}, got {short_repr(value)}')
-    return value
-
-
-def check_choice(encoding: str, option: str, value: Any, allowed: tuple) -> Any:
-    """``value`` if it is one of ``allowed``."""
-    if value not in allowed:
-        raise ValueError(f'{_where(encoding, option)} must be one of {allowed}, got {short_repr(value)}')
-    return value
-
-
-def check_bool(encoding: str, option: str, value: Any) -> bool:
-    """``value`` if it is True or False."""
-    if not isinstance(value, bool):
-        raise ValueError(f'{_where(encoding, option)} must be True or False, got {short_repr(value)}')
     return value

@@ -8,7 +8,7 @@ import torch
 
 from ..contract import PEContext
 from ..registry import register_pe
-from ._checks import check_bool, check_positive
+from ._checks import check_positive
 from .mrope import check_sections
 from .multimodal import MULTIMODAL_FAMILY, MultimodalRoPE, Runs
 
@@ -78,8 +78,8 @@ class CircleRoPE(MultimodalRoPE):
         self.alpha = _unit_interval(name, 'alpha', alpha)
         self.dff_rate = _unit_interval(name, 'dff_rate', dff_rate)
         self.temporal_stride = float(check_positive(name, 'temporal_stride', temporal_stride))
-        self.move_to_origin = check_bool(name, 'move_to_origin', move_to_origin)
-        self.move_to_positive = check_bool(name, 'move_to_positive', move_to_positive)
+        self.move_to_origin = move_to_origin
+        self.move_to_positive = move_to_positive
         self.positive_offset = float(check_finite(name, 'positive_offset', positive_offset))
         self.method = method
         self.sections = check_sections(name, sections, self.num_pairs)

@@ -23,7 +23,7 @@ from ..contract import PEContext
 from ..positions import Positions, grid_coordinates
 from ..registry import register_pe
 from ..rotary import axial_frequencies
-from ._checks import check_bool, check_choice, check_min_int, check_nonnegative, check_positive
+from ._checks import check_min_int, check_nonnegative, check_positive
 from .rope import MixedAnglePE
 
 __all__ = ['DirectionalRope', 'RopeGolden', 'RopeSpiral', 'golden_gate_frequencies', 'spiral_frequencies',
@@ -162,7 +162,6 @@ class RopeGolden(DirectionalRope):
         if not (check_nonnegative(name, 'p_zero_freqs', p_zero_freqs) <= 1):
             raise ValueError(f"option 'p_zero_freqs' of encoding {name!r} must be in [0, 1], got {p_zero_freqs}")
         check_positive(name, 'direction_spacing', direction_spacing)
-        check_choice(name, 'grid_mode', grid_mode, ('image', 'index', 'normalized'))
         if ctx.head_dim % 2:
             raise ValueError(f'encoding {name!r} needs an even head_dim, got head_dim={ctx.head_dim}')
         freqs = golden_gate_frequencies(ctx.num_heads, ctx.head_dim, min_freq, max_freq, p_zero_freqs,
@@ -249,11 +248,9 @@ class RopeSpiral(DirectionalRope):
                              f"pairs turned from y and from x), got {num_directions}")
         check_positive(name, 'max_freq', max_freq)
         check_positive(name, 'theta', theta)
-        check_bool(name, 'same_freqs', same_freqs)
+        same_freqs
         if not (check_nonnegative(name, 'truncate', truncate) < 1):
             raise ValueError(f"option 'truncate' of encoding {name!r} must be in [0, 1), got {truncate}")
-        check_choice(name, 'grid_mode', grid_mode, ('normalized', 'index'))
-        check_choice(name, 'corners', corners, ('linear', 'clamp'))
         multiple = (4 if same_freqs else 2) * num_directions
         if ctx.head_dim % multiple:
             raise ValueError(f'encoding {name!r} with num_directions={num_directions}'

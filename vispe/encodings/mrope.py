@@ -15,7 +15,6 @@ import torch
 
 from ..contract import PEContext
 from ..registry import register_pe
-from ._checks import check_bool
 from .multimodal import MULTIMODAL_FAMILY, MultimodalRoPE, stack_axes
 
 __all__ = ['MRoPE', 'MRoPEInterleave', 'MHRoPE', 'interleaved_mrope_axes', 'default_sections',
@@ -145,7 +144,7 @@ class MRoPEInterleave(MRoPE):
 
     def __init__(self, ctx: PEContext, *, spatial_reset: bool = False, **options) -> None:
         super().__init__(ctx, **options)
-        self.spatial_reset = check_bool(self.name, 'spatial_reset', spatial_reset)
+        self.spatial_reset = spatial_reset
 
     def allocate_pairs(self) -> Tensor:
         P, (_, h, w) = self.num_pairs, self.sections

@@ -7,7 +7,7 @@ import torch
 
 from ..contract import PEContext
 from ..registry import register_pe
-from ._checks import check_bool, check_min_int
+from ._checks import check_min_int
 from .multimodal import MULTIMODAL_FAMILY, MultimodalRoPE, draw_strides
 
 __all__ = ['V2PE']
@@ -47,7 +47,7 @@ class V2PE(MultimodalRoPE):
         self.strides = tuple(check_min_int(self.name, 'strides', s) for s in strides)
         self.tokens_per_tile = (None if tokens_per_tile is None
                                 else check_min_int(self.name, 'tokens_per_tile', tokens_per_tile))
-        self.random_in_training = check_bool(self.name, 'random_in_training', random_in_training)
+        self.random_in_training = random_in_training
         self.register_axes()
 
     @property

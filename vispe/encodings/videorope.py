@@ -7,7 +7,7 @@ import torch
 
 from ..contract import PEContext
 from ..registry import register_pe
-from ._checks import check_bool, check_positive
+from ._checks import check_positive
 from .mrope import check_sections, check_tokens_per_second
 from .multimodal import MULTIMODAL_FAMILY, MultimodalRoPE, draw_strides, stack_axes, time_index
 
@@ -113,7 +113,7 @@ class HoPE(MultimodalRoPE):
             raise ValueError(f"option 'temporal_strides' of encoding {self.name!r} must not be empty")
         self.temporal_strides = tuple(float(check_positive(self.name, 'temporal_strides', x))
                                       for x in temporal_strides)
-        self.random_in_training = check_bool(self.name, 'random_in_training', random_in_training)
+        self.random_in_training = random_in_training
         self.sections = check_sections(self.name, sections, self.num_pairs)
         self.register_axes()
 
