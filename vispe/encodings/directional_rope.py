@@ -248,7 +248,6 @@ class RopeSpiral(DirectionalRope):
                              f"pairs turned from y and from x), got {num_directions}")
         check_positive(name, 'max_freq', max_freq)
         check_positive(name, 'theta', theta)
-        same_freqs
         if not (check_nonnegative(name, 'truncate', truncate) < 1):
             raise ValueError(f"option 'truncate' of encoding {name!r} must be in [0, 1), got {truncate}")
         multiple = (4 if same_freqs else 2) * num_directions
