@@ -2,9 +2,9 @@
 
 ``patch_vision(model, 'liere')`` makes a transformers ViT / DeiT, DINOv2 (with registers too), DINOv3-ViT,
 SigLIP, SigLIP 2 (NaFlex), CLIP, Idefics3 / SmolVLM, InternVL, Pixtral or Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision
-encoder, or the VideoMAE video encoder, or a model that holds one (an image classifier, a whole ``SiglipModel`` / ``CLIPModel`` / VLM: LLaVA,
-PaliGemma, Idefics3 / SmolVLM, InternVL, Mistral3, Qwen-VL; its vision tower is found), position its image tokens
-with a vispe encoding.
+encoder, or the VideoMAE or V-JEPA 2 video encoder, or a model that holds one (an image or video classifier, a whole
+``SiglipModel`` / ``CLIPModel`` / ``VJEPA2Model`` / VLM: LLaVA, PaliGemma, Idefics3 / SmolVLM, InternVL, Mistral3,
+Qwen-VL; its vision tower is found), position its image tokens with a vispe encoding.
 On that instance only (transformers' classes, modules and registries stay untouched) it:
 
 * registers the encoding as ``<tower>.vispe_pe`` (its parameters train and save with the model's
@@ -67,13 +67,18 @@ augmentations (computed in float32 also after ``.to(torch.bfloat16)``, where tra
 ``align_corners=True``, ``resample='weights'``: `get_vision_interpolation_indices_and_weights`); Pixtral
 ``rope_timm`` with ``axis_bands='alternating'``; InternVL ``learned`` as ViT; VideoMAE ``sincos`` with
 ``flatten=True`` and ``pairing='interleaved'`` (its 1D table over the tubelet index, at the configured clip; the
-flat index continues at other clips).
+flat index continues at other clips). V-JEPA 2's q/k map is no rotation (`VJEPA2HostRope`: its sines and cosines
+are tiled while its channels are paired, so the two channels of a pair turn by different frequencies), hence no
+vispe spec: its own encoding is that map, computed by vispe in float32 at the input's true ``(t, h, w)`` grid (the
+host numbers its tokens on the configured grid, right only at the configured frame size); the rotation it means
+is ``rope_axial:theta=10000,axis_order=yx``. The V-JEPA 2 predictor (pretraining) keeps its own map.
 
 How to add a family. A family is one `VisionFamily` row of `FAMILIES`: the tower classes it covers, where
 the layers and their attention are, the names of the attention's output projection, scale and dropout, the
 prefix tokens and the patch embedding of its embeddings module, its table (if any) and the options of
-its own encoding, one positions function ``(family, tower, args, kwargs) -> Positions`` (`image_positions`,
-`naflex_positions`, `canvas_positions`; `varlen_positions` returns the `VarlenLayout` of a packed tower),
+its own encoding (or ``own_map``, the class of a map that no vispe spec states), one positions function
+``(family, tower, args, kwargs) -> Positions`` (`image_positions`, `naflex_positions`, `canvas_positions`,
+`video_positions`, `vjepa2_positions`; `varlen_positions` returns the `VarlenLayout` of a packed tower),
 whether its tower passes ``**kwargs`` down, and its token layout (``'batch'``, ``'canvas'``, ``'varlen'``). A
 tower whose attention projects q, k and v with ``q_proj`` / ``k_proj`` / ``v_proj`` (or one fused ``qkv``) and
 is called with the layer's ``**kwargs`` needs nothing else; a tower whose attention's call differs needs a
@@ -1056,10 +1061,11 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
         model: a transformers vision encoder (``ViTModel``, ``DeiTModel``, ``Dinov2Model``,
             ``Dinov2WithRegistersModel``, ``DINOv3ViTModel``, ``SiglipVisionModel``, ``Siglip2VisionModel``,
             ``CLIPVisionModel``, ``Idefics3VisionTransformer``, ``SmolVLMVisionTransformer``, ``InternVLVisionModel``,
-            ``PixtralVisionModel``, the vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL) or a model holding
-            exactly one (``ViTForImageClassification``, ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``,
-            ``LlavaForConditionalGeneration``, ``PaliGemmaForConditionalGeneration``, ``InternVLModel``,
-            ``Qwen2VLForConditionalGeneration``, ...).
+            ``PixtralVisionModel``, the vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, ``VideoMAEModel``,
+            V-JEPA 2's ``VJEPA2Encoder``) or a model holding exactly one (``ViTForImageClassification``,
+            ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``, ``LlavaForConditionalGeneration``,
+            ``PaliGemmaForConditionalGeneration``, ``InternVLModel``, ``Qwen2VLForConditionalGeneration``,
+            ``VJEPA2Model``, ``VJEPA2ForVideoClassification``, ...).
         pe: any vispe encoding spec (``'rope_mixed'``, ``'liere'``, ``'irpe+learned'``, ...); None: the
             model's own encoding, computed by vispe (module docstring); ``'none'``: no encoding (NoPE).
         options: options of the encoding (override the spec's).
