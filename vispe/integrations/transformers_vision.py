@@ -95,6 +95,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .._dtypes import at_least_float32
 from ..attention import pe_attention
 from ..contract import PEContext, PositionalEncoding, PreparedPE
 from ..extras import SUPPORTED, require
@@ -568,7 +569,7 @@ class VJEPA2HostRope(PositionalEncoding):
         if coords.shape[-1] != 3:
             raise ValueError(f'encoding {self.name!r} takes (t, h, w) video positions, got {coords.shape[-1]} axes')
         # (..., N, 3, d/2) angles; each axis' d/2 sines and cosines tiled twice over its d channels
-        angles = coords.float().unsqueeze(-1) * self.omega
+        angles = at_least_float32(coords).unsqueeze(-1) * self.omega
         cos, sin = (torch.cat([t, t], -1).flatten(-2) for t in (angles.cos(), angles.sin()))
         if pos_q.num_prefix:  # prefix tokens pass through
             pad = (0, 0, pos_q.num_prefix, 0)
@@ -583,10 +584,10 @@ class VJEPA2HostRope(PositionalEncoding):
 
 
 def _vjepa2_map(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """`VJEPA2HostRope`'s map of q or k ``(B, H, N, hd)`` with its tables ``(..., N, 3 d)``, in float32; the
-    channels after ``3 d`` pass through."""
+    """`VJEPA2HostRope`'s map of q or k ``(B, H, N, hd)`` with its tables ``(..., N, 3 d)``, in float32 (float64
+    kept); the channels after ``3 d`` pass through."""
     width = cos.shape[-1]
-    head = x[..., :width].float()
+    head = at_least_float32(x[..., :width])
     pairs = head.unflatten(-1, (-1, 2))
     turned = torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
     out = (head * cos) + (turned * sin)  # the host's order of operations
