@@ -521,7 +521,7 @@ class VJEPA2HostRope(PositionalEncoding):
     because it is no rotation.
 
     Each axis (frame, row, column, in that order) owns ``d = 2 * floor(hd / 6)`` channels of a head; the
-    channels after ``3 d`` pass through. Within an axis' group, with ``w_j = 10000^(-j / (d / 2))`` and the
+    channels after ``3 d`` pass through. Within an axis' group, with ``w_j = theta^(-j / (d / 2))`` and the
     integer position ``p`` on that axis, channel ``c`` gets the angle ``a_c = p * w_(c mod d/2)`` (the
     sines and cosines of the ``d / 2`` frequencies tiled twice, ``repeat``), and the channels are paired
     ``(2j, 2j + 1)``::
@@ -531,8 +531,8 @@ class VJEPA2HostRope(PositionalEncoding):
 
     The two channels of a pair turn by different angles (pair ``j`` takes frequencies ``2j`` and
     ``2j + 1`` modulo ``d / 2``), so the map is not orthogonal: it changes the norm of q and k, and a logit
-    changes when every position is shifted by the same offset (``shift_invariant = False``). The map a
-    pair rotation with one frequency per pair gives, ``w_j`` for pair ``j`` of each axis' group, is vispe's
+    changes when every position is shifted by the same offset (``shift_invariant = False``). The rotation it
+    means, one frequency ``w_j`` for pair ``j`` of each axis' group, is vispe's
     ``rope_axial:theta=10000,axis_order=yx``. Angles and tables are float32 whatever the model's dtype
     (the host computes its frequencies in the activations' dtype).
 
