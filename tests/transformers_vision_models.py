@@ -58,13 +58,13 @@ _MODELS = {'vit': 'ViTModel', 'deit': 'DeiTModel', 'dinov2': 'Dinov2Model',
            'internvl': 'InternVLVisionModel'}
 
 
-def sharpen(model: nn.Module, seed: int = 1) -> nn.Module:
-    """q/k projections of std 0.3 and position tables of std 1, so positions matter."""
+def sharpen(model: nn.Module, seed: int = 1, projections: Tuple[str, str] = ('q_proj', 'k_proj')) -> nn.Module:
+    """q/k projections (named ``projections``) of std 0.3 and position tables of std 1, so positions matter."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             leaf = name.rsplit('.', 2)[-2:]
-            if leaf[0] in ('q_proj', 'k_proj') and leaf[1] == 'weight':
+            if leaf[0] in projections and leaf[1] == 'weight':
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             elif leaf == ['qkv', 'weight'] and '.attn.' in name:  # Qwen-VL's fused projection: its q and k rows
                 qk = 2 * p.shape[0] // 3
@@ -260,3 +260,23 @@ def video_inputs(size=VIDEO_NATIVE, batch: int = 2, seed: int = 0) -> Dict[str, 
     g = torch.Generator().manual_seed(seed)
     frames, h, w = size
     return dict(pixel_values=torch.randn(batch, frames, 3, h, w, generator=g))
+
+
+# ------------------------------------------------------------------ video: V-JEPA 2's tubelets and its own 3D q/k map
+def vjepa2_config(heads: int = 2) -> transformers.VJEPA2Config:
+    """A tiny V-JEPA 2 (the VideoMAE clip: a 2 x 4 x 4 grid of tubelets 2 x 8 x 8; width 48; ``heads=2``: head
+    width 24, three axis groups of 8 channels; ``heads=3``: 16, groups of 4 and 4 channels that pass through)."""
+    return transformers.VJEPA2Config(patch_size=PATCH, crop_size=NATIVE[0], frames_per_clip=VIDEO_NATIVE[0],
+                                     tubelet_size=2, hidden_size=48, num_attention_heads=heads, num_hidden_layers=2,
+                                     mlp_ratio=2.0, pred_hidden_size=24, pred_num_attention_heads=2,
+                                     pred_num_hidden_layers=1, num_pooler_layers=1)
+
+
+def build_vjepa2(cls: str = 'VJEPA2Model', heads: int = 2) -> nn.Module:
+    """A tiny V-JEPA 2 model (encoder and predictor; or its classifier), q/k projections sharpened, in eval mode."""
+    torch.manual_seed(0)
+    return sharpen(getattr(transformers, cls)(vjepa2_config(heads)), projections=('query', 'key')).eval()
+
+
+def vjepa2_inputs(size=VIDEO_NATIVE, batch: int = 2, seed: int = 0) -> Dict[str, torch.Tensor]:
+    return dict(pixel_values_videos=video_inputs(size, batch, seed)['pixel_values'])

@@ -2,9 +2,9 @@
 
 ``patch_vision(model, 'liere')`` makes a transformers ViT / DeiT, DINOv2 (with registers too), DINOv3-ViT,
 SigLIP, SigLIP 2 (NaFlex), CLIP, Idefics3 / SmolVLM, InternVL, Pixtral or Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision
-encoder, or the VideoMAE video encoder, or a model that holds one (an image classifier, a whole ``SiglipModel`` / ``CLIPModel`` / VLM: LLaVA,
-PaliGemma, Idefics3 / SmolVLM, InternVL, Mistral3, Qwen-VL; its vision tower is found), position its image tokens
-with a vispe encoding.
+encoder, or the VideoMAE or V-JEPA 2 video encoder, or a model that holds one (an image or video classifier, a whole
+``SiglipModel`` / ``CLIPModel`` / ``VJEPA2Model`` / VLM: LLaVA, PaliGemma, Idefics3 / SmolVLM, InternVL, Mistral3,
+Qwen-VL; its vision tower is found), position its image tokens with a vispe encoding.
 On that instance only (transformers' classes, modules and registries stay untouched) it:
 
 * registers the encoding as ``<tower>.vispe_pe`` (its parameters train and save with the model's
@@ -67,13 +67,18 @@ augmentations (computed in float32 also after ``.to(torch.bfloat16)``, where tra
 ``align_corners=True``, ``resample='weights'``: `get_vision_interpolation_indices_and_weights`); Pixtral
 ``rope_timm`` with ``axis_bands='alternating'``; InternVL ``learned`` as ViT; VideoMAE ``sincos`` with
 ``flatten=True`` and ``pairing='interleaved'`` (its 1D table over the tubelet index, at the configured clip; the
-flat index continues at other clips).
+flat index continues at other clips). V-JEPA 2's q/k map is no rotation (`VJEPA2HostRope`: its sines and cosines
+are tiled while its channels are paired, so the two channels of a pair turn by different frequencies), hence no
+vispe spec: its own encoding is that map, computed by vispe in float32 at the input's true ``(t, h, w)`` grid (the
+host numbers its tokens on the configured grid, right only at the configured frame size); the rotation it means
+is ``rope_axial:theta=10000,axis_order=yx``. The V-JEPA 2 predictor (pretraining) keeps its own map.
 
 How to add a family. A family is one `VisionFamily` row of `FAMILIES`: the tower classes it covers, where
 the layers and their attention are, the names of the attention's output projection, scale and dropout, the
 prefix tokens and the patch embedding of its embeddings module, its table (if any) and the options of
-its own encoding, one positions function ``(family, tower, args, kwargs) -> Positions`` (`image_positions`,
-`naflex_positions`, `canvas_positions`; `varlen_positions` returns the `VarlenLayout` of a packed tower),
+its own encoding (or ``own_map``, the class of a map that no vispe spec states), one positions function
+``(family, tower, args, kwargs) -> Positions`` (`image_positions`, `naflex_positions`, `canvas_positions`,
+`video_positions`, `vjepa2_positions`; `varlen_positions` returns the `VarlenLayout` of a packed tower),
 whether its tower passes ``**kwargs`` down, and its token layout (``'batch'``, ``'canvas'``, ``'varlen'``). A
 tower whose attention projects q, k and v with ``q_proj`` / ``k_proj`` / ``v_proj`` (or one fused ``qkv``) and
 is called with the layer's ``**kwargs`` needs nothing else; a tower whose attention's call differs needs a
@@ -90,6 +95,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .._dtypes import at_least_float32
 from ..attention import pe_attention
 from ..contract import PEContext, PositionalEncoding, PreparedPE
 from ..extras import SUPPORTED, require
@@ -100,7 +106,8 @@ from ._vision_packed import VarlenLayout, varlen_layout
 from .base import ModelPatch, UnsupportedModelError, refuse_patched
 
 __all__ = ['patch_vision', 'VisionPatch', 'VisionFamily', 'FAMILIES', 'SUPPORTED_TOWERS', 'image_positions',
-           'naflex_positions', 'canvas_positions', 'varlen_positions', 'pixtral_positions', 'own_spec', 'QWEN_REFERENCE_GRID']
+           'naflex_positions', 'canvas_positions', 'varlen_positions', 'pixtral_positions', 'own_spec',
+           'QWEN_REFERENCE_GRID', 'VJEPA2HostRope']
 
 _logger = logging.getLogger(__name__)
 
@@ -282,27 +289,61 @@ def pixtral_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[A
     return varlen_layout(thw, 1, family.native_grid(tower.config))
 
 
+def _tubelet_grid(family: 'VisionFamily', pixels: Tensor, frames: int, tubelet: Tuple[int, int, int],
+                  train_grid: Tuple[int, int, int]) -> Positions:
+    """The grid ``(frames / tubelet, H / p, W / p)`` of the video ``pixels`` ``(B, T, C, H, W)`` whose tubelets
+    span ``frames`` frames (``T``, or the frames the host makes of a shorter clip).
+
+    Raises:
+        ValueError: a size the tubelet does not divide.
+    """
+    size = (frames, *pixels.shape[-2:])
+    if any(n % t for n, t in zip(size, tubelet)):
+        raise ValueError(f'patch_vision ({family.label}): {size[0]} frames of {size[1]}x{size[2]} are not divisible '
+                         f'by the tubelet {tubelet[0]}x{tubelet[1]}x{tubelet[2]} (frames x height x width); use '
+                         f'multiples of it')
+    return grid(*(n // t for n, t in zip(size, tubelet)), train_grid=train_grid, device=pixels.device)
+
+
+def _video_pixels(family: 'VisionFamily', args: Sequence[Any], kwargs: Dict[str, Any], name: str) -> Tensor:
+    """The video argument ``name`` of a tower's call, ``(B, T, C, H, W)``; else a ValueError naming it."""
+    pixels = _argument(args, kwargs, 0, name)
+    if not torch.is_tensor(pixels) or pixels.dim() != 5:
+        shape = tuple(pixels.shape) if torch.is_tensor(pixels) else type(pixels).__name__
+        raise ValueError(f'patch_vision ({family.label}): {name} must be a (B, frames, C, H, W) tensor, got {shape}')
+    return pixels
+
+
 def video_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
                     ) -> Positions:
-    """The positions of a video tower's forward: the grid ``(T / tubelet, H / p, W / p)`` of ``pixel_values``
+    """The positions of a VideoMAE forward: the grid ``(T / tubelet, H / p, W / p)`` of ``pixel_values``
     ``(B, T, C, H, W)``, the configured clip as training grid.
 
     Raises:
         ValueError: pixel_values of another layout, or a size the tubelet does not divide.
     """
-    pixels = _argument(args, kwargs, 0, 'pixel_values')
-    if not torch.is_tensor(pixels) or pixels.dim() != 5:
-        shape = tuple(pixels.shape) if torch.is_tensor(pixels) else type(pixels).__name__
-        raise ValueError(f'patch_vision ({family.label}): pixel_values must be a (B, frames, C, H, W) tensor, '
-                         f'got {shape}')
+    pixels = _video_pixels(family, args, kwargs, 'pixel_values')
     config = tower.config
-    tubelet = (int(config.tubelet_size), *_pair(config.patch_size))
-    size = (pixels.shape[1], *pixels.shape[-2:])
-    if any(n % t for n, t in zip(size, tubelet)):
-        raise ValueError(f'patch_vision ({family.label}): {size[0]} frames of {size[1]}x{size[2]} are not divisible '
-                         f'by the tubelet {tubelet[0]}x{tubelet[1]}x{tubelet[2]} (frames x height x width); use '
-                         f'multiples of it')
-    return grid(*(n // t for n, t in zip(size, tubelet)), train_grid=family.native_grid(config), device=pixels.device)
+    return _tubelet_grid(family, pixels, pixels.shape[1],
+                         (int(config.tubelet_size), *_pair(config.patch_size)), family.native_grid(config))
+
+
+def vjepa2_positions(family: 'VisionFamily', tower: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]
+                     ) -> Positions:
+    """The positions of a V-JEPA 2 encoder's forward: the true grid ``(T / tubelet, H / p, W / p)`` of
+    ``pixel_values_videos`` ``(B, T, C, H, W)`` at any size the tubelet divides (the host reads its positions
+    from the configured grid instead, right only at the configured size), the configured clip as training
+    grid. A clip shorter than the tubelet is repeated ``tubelet`` times by the host (an image: one tubelet).
+
+    Raises:
+        ValueError: pixel_values_videos of another layout, or a size the tubelet does not divide.
+    """
+    pixels = _video_pixels(family, args, kwargs, 'pixel_values_videos')
+    config = tower.config
+    tubelet = int(config.tubelet_size)
+    frames = pixels.shape[1] * (tubelet if pixels.shape[1] < tubelet else 1)
+    return _tubelet_grid(family, pixels, frames,
+                         (tubelet, int(config.patch_size), int(config.patch_size)), family.native_grid(config))
 
 
 def _kept_tokens(family: 'VisionFamily', masked: Any, num_tokens: int) -> Tensor:
@@ -388,6 +429,8 @@ class VisionFamily:
             ``'_packed_embeddings'``, ``'_tubelet_embeddings'``).
         drops_masked: ``bool_masked_pos`` drops the masked tokens (VideoMAE's pretraining): the attentions get
             the encoding prepared for the kept tokens (`vispe.PreparedPE.select`), the embeddings the whole grid.
+        own_map: ``(ctx, **options) -> encoding``, the model's own map where no vispe spec states it (V-JEPA 2's
+            q/k map, which is no rotation: `VJEPA2HostRope`); built for ``pe=None`` in place of ``own``'s spec.
     """
     label: str
     towers: Tuple[str, ...]
@@ -419,6 +462,7 @@ class VisionFamily:
     head_dim: str = 'head_dim'
     embeddings_forward: str = '_embeddings'
     drops_masked: bool = False
+    own_map: Optional[Callable[..., PositionalEncoding]] = None
 
     def num_prefix(self, config: Any) -> int:
         return sum(int(config.num_register_tokens) if p == 'register_tokens' else 1 for p in self.prefix)
@@ -468,6 +512,91 @@ def _videomae_spec(config: Any) -> Dict[str, Any]:
     """VideoMAE's ``get_sinusoid_encoding_table`` as ``sincos``: the Transformer's 1D table (interleaved sines
     and cosines, ``10000^(-2k / C)``) over each tubelet's row-major index."""
     return dict(name='sincos', flatten=True, pairing='interleaved')
+
+
+class VJEPA2HostRope(PositionalEncoding):
+    """V-JEPA 2's own q/k map (transformers' ``VJEPA2RopeAttention.apply_rotary_embeddings``, the original
+    code's ``rotate_queries_or_keys``), computed by vispe on the true ``(t, h, w)`` grid of the input: the
+    model's own encoding (``pe=None``) of `patch_vision`'s V-JEPA 2 family, and no registered encoding,
+    because it is no rotation.
+
+    Each axis (frame, row, column, in that order) owns ``d = 2 * floor(hd / 6)`` channels of a head; the
+    channels after ``3 d`` pass through. Within an axis' group, with ``w_j = theta^(-j / (d / 2))`` and the
+    integer position ``p`` on that axis, channel ``c`` gets the angle ``a_c = p * w_(c mod d/2)`` (the
+    sines and cosines of the ``d / 2`` frequencies tiled twice, ``repeat``), and the channels are paired
+    ``(2j, 2j + 1)``::
+
+        out[2j]     = x[2j]     cos(a_2j)     - x[2j + 1] sin(a_2j)
+        out[2j + 1] = x[2j + 1] cos(a_2j+1)   + x[2j]     sin(a_2j+1)
+
+    The two channels of a pair turn by different angles (pair ``j`` takes frequencies ``2j`` and
+    ``2j + 1`` modulo ``d / 2``), so the map is not orthogonal: it changes the norm of q and k, and a logit
+    changes when every position is shifted by the same offset (``shift_invariant = False``). The rotation it
+    means, one frequency ``w_j`` for pair ``j`` of each axis' group, is vispe's
+    ``rope_axial:theta=10000,axis_order=yx``. Angles and tables are float32 whatever the model's dtype
+    (the host computes its frequencies in the activations' dtype).
+
+    Args:
+        theta: frequency base (10000 in V-JEPA 2).
+    """
+    name = 'vjepa2_host_rope'
+    shift_invariant = False
+    larger_input = 'extrapolate'
+    paper = ('Assran et al. 2025, V-JEPA 2, arXiv:2506.09985; transformers\' VJEPA2RopeAttention '
+             '(models/vjepa2/modeling_vjepa2.py, rotate_queries_or_keys)')
+    float32_buffers = frozenset({'omega'})
+    omega: Tensor
+
+    def __init__(self, ctx: PEContext, *, theta: float = 10000.0) -> None:
+        super().__init__(ctx)
+        if not theta > 0:
+            raise ValueError(f'option theta of encoding {self.name!r} must be > 0, got {theta}')
+        self.theta = float(theta)
+        self.axis_width = 2 * ((ctx.head_dim // 3) // 2)
+        if self.axis_width == 0:
+            raise ValueError(f'encoding {self.name!r} needs head_dim >= 6 (two channels per axis), '
+                             f'got head_dim={ctx.head_dim}')
+        # in the host's order of operations, so that the float32 frequencies are the host's bit for bit
+        half = self.axis_width // 2
+        omega = torch.arange(half, dtype=torch.float32)
+        omega /= half
+        self.register_buffer('omega', 1.0 / self.theta ** omega, persistent=False)
+
+    def _prepare(self, pos_q: Positions, pos_k: Optional[Positions]) -> Tuple[Tensor, Tensor]:
+        if pos_k is not None and not pos_k.same_as(pos_q):
+            raise ValueError(f'encoding {self.name!r} maps self-attention only (one set of positions)')
+        coords = pos_q.coords
+        if coords.shape[-1] != 3:
+            raise ValueError(f'encoding {self.name!r} takes (t, h, w) video positions, got {coords.shape[-1]} axes')
+        # (..., N, 3, d/2) angles; each axis' d/2 sines and cosines tiled twice over its d channels
+        angles = at_least_float32(coords).unsqueeze(-1) * self.omega
+        cos, sin = (torch.cat([t, t], -1).flatten(-2) for t in (angles.cos(), angles.sin()))
+        if pos_q.num_prefix:  # prefix tokens pass through
+            pad = (0, 0, pos_q.num_prefix, 0)
+            cos, sin = nn.functional.pad(cos, pad, value=1.0), nn.functional.pad(sin, pad)
+        if cos.dim() == 3:  # per sample: broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin
+
+    def qk(self, q, k, state, layer, x=None):
+        cos, sin = state
+        return _vjepa2_map(q, cos, sin), _vjepa2_map(k, cos, sin)
+
+
+def _vjepa2_map(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`VJEPA2HostRope`'s map of q or k ``(B, H, N, hd)`` with its tables ``(..., N, 3 d)``, in float32 (float64
+    kept); the channels after ``3 d`` pass through."""
+    width = cos.shape[-1]
+    head = at_least_float32(x[..., :width])
+    pairs = head.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
+    out = (head * cos) + (turned * sin)  # the host's order of operations
+    return torch.cat([out.to(x.dtype), x[..., width:]], -1)
+
+
+def _native_vjepa2_grid(config: Any) -> Tuple[int, int, int]:
+    side = int(config.crop_size) // int(config.patch_size)
+    return int(config.frames_per_clip) // int(config.tubelet_size), side, side
 
 
 def _pixtral_spec(config: Any) -> Dict[str, Any]:
@@ -539,6 +668,12 @@ FAMILIES: Tuple[VisionFamily, ...] = (
                  'dropout_prob', (), 'patch_embeddings', None, 0, _videomae_spec, video_positions,
                  _native_video_grid, threads_kwargs=False, projections=('query', 'key', 'value'),
                  head_dim='attention_head_size', embeddings_forward='_tubelet_embeddings', drops_masked=True),
+    # tubelets of a video; its own q/k map (no rotation, `VJEPA2HostRope`) at the input's true grid; the
+    # layers call their attention without **kwargs
+    VisionFamily('V-JEPA 2', ('VJEPA2Encoder',), 'layer', 'attention', 'proj', 'scaling', 'dropout_prob', (),
+                 'patch_embeddings', None, 0, None, vjepa2_positions, _native_vjepa2_grid, threads_kwargs=False,
+                 projections=('query', 'key', 'value'), head_dim='attention_head_size',
+                 embeddings_forward='_video_embeddings', own_map=VJEPA2HostRope),
     # the rope and a learned table, resampled by bilinear taps with aligned corners; deepstack mergers
     VisionFamily('Qwen3-VL vision', ('Qwen3VLVisionModel', 'Qwen3VLMoeVisionModel'), 'blocks', 'attn', 'proj',
                  'scaling', 'attention_dropout', (), None, 'pos_embed', 0, _qwen3_spec, varlen_positions,
@@ -550,8 +685,10 @@ SUPPORTED_TOWERS = tuple(t for f in FAMILIES for t in f.towers)
 _BY_TOWER = {t: f for f in FAMILIES for t in f.towers}
 
 
-def own_spec(family: VisionFamily, config: Any) -> PESpec:
-    """The vispe spec of a tower's own encoding (``pe=None``)."""
+def own_spec(family: VisionFamily, config: Any) -> Optional[PESpec]:
+    """The vispe spec of a tower's own encoding (``pe=None``); None where no spec states it (``own_map``)."""
+    if family.own_map is not None:
+        return None
     if callable(family.own):
         return family.own(config)
     return dict(name='learned', **family.own)
@@ -740,6 +877,12 @@ class VisionPatch(ModelPatch):
             x = x[~bool_masked_pos].reshape(x.shape[0], -1, x.shape[-1])
         return x
 
+    def _video_embeddings(self, embeddings: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+        """The forward of a video tower's embeddings that hold no table (V-JEPA 2): transformers' own (its
+        tubelet projection), then the encoding's additive part."""
+        x = type(embeddings).forward(embeddings, *args, **kwargs)
+        return self._current().prepared.embed(x)
+
     def _attention(self, module: nn.Module, layer: int, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
                    *args: Any, **kwargs: Any) -> Tuple[Tensor, None]:
         """The forward of one self-attention ``module`` of the tower (its q/k/v projections, `vispe.pe_attention`
@@ -919,10 +1062,11 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
         model: a transformers vision encoder (``ViTModel``, ``DeiTModel``, ``Dinov2Model``,
             ``Dinov2WithRegistersModel``, ``DINOv3ViTModel``, ``SiglipVisionModel``, ``Siglip2VisionModel``,
             ``CLIPVisionModel``, ``Idefics3VisionTransformer``, ``SmolVLMVisionTransformer``, ``InternVLVisionModel``,
-            ``PixtralVisionModel``, the vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL) or a model holding
-            exactly one (``ViTForImageClassification``, ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``,
-            ``LlavaForConditionalGeneration``, ``PaliGemmaForConditionalGeneration``, ``InternVLModel``,
-            ``Qwen2VLForConditionalGeneration``, ...).
+            ``PixtralVisionModel``, the vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, ``VideoMAEModel``,
+            V-JEPA 2's ``VJEPA2Encoder``) or a model holding exactly one (``ViTForImageClassification``,
+            ``SiglipModel``, ``CLIPModel``, ``Idefics3Model``, ``LlavaForConditionalGeneration``,
+            ``PaliGemmaForConditionalGeneration``, ``InternVLModel``, ``Qwen2VLForConditionalGeneration``,
+            ``VJEPA2Model``, ``VJEPA2ForVideoClassification``, ...).
         pe: any vispe encoding spec (``'rope_mixed'``, ``'liere'``, ``'irpe+learned'``, ...); None: the
             model's own encoding, computed by vispe (module docstring); ``'none'``: no encoding (NoPE).
         options: options of the encoding (override the spec's).
@@ -941,7 +1085,7 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
     layers = _check_layout(tower, family)
     config = tower.config
     if pe is None:
-        pe = own_spec(family, config)
+        pe = own_spec(family, config)  # None still where the family's own map is no vispe spec (V-JEPA 2)
     first = _path(layers[0], family.attention) if layers else None
     heads, width = int(getattr(config, family.heads)), int(getattr(config, family.width))
     head_dim = getattr(first, family.head_dim) if first is not None else width // heads
@@ -950,7 +1094,10 @@ def patch_vision(model: nn.Module, pe: Optional[PESpec] = None, **options: Any) 
                     num_prefix_tokens=family.num_prefix(config))
     ref = next(iter(tower.parameters()))
     try:
-        encoding = create_pe(pe, ctx, device=ref.device, **options)
+        if pe is None:
+            encoding = family.own_map(ctx, **options).to(ref.device)
+        else:
+            encoding = create_pe(pe, ctx, device=ref.device, **options)
     except ValueError as e:
         raise ValueError(f'patch_vision ({family.label}): pe={pe!r} cannot apply: {e}') from e
     if encoding.capabilities.requires:
