@@ -361,12 +361,24 @@ def test_one_patch_per_model_tree():
     check_one_patch_per_tree(model, model.vit, lambda m: patch_vision(m, 'rope_mixed'), lambda m: patch_vision(m, 'irpe'))
 
 
-def test_gradient_checkpointing_threads_the_prepared_encoding(tiny_models):
-    model = copy.deepcopy(tiny_models['vit']).train()
-    model.gradient_checkpointing_enable()
-    with patch_vision(model, 'rope_mixed'):
-        model(**inputs('vit')).last_hidden_state.sum().backward()
-        assert model.vispe_pe.freqs.grad is not None and model.vispe_pe.freqs.grad.abs().sum() > 0
+@pytest.mark.parametrize('kind', ['vit', 'idefics3', 'internvl'])
+def test_gradient_checkpointing_gives_the_gradients_of_a_plain_backward(tiny_models, kind):
+    """transformers checkpoints each layer's forward inside its hooks: the recomputation in backward runs
+    after the tower's forward has ended. The prepared encoding reaches it through the layer's keyword
+    arguments (ViT) or, in towers that do not pass them down (Idefics3, InternVL), from the forward the
+    layer kept; the gradients are those of a plain backward."""
+    grads = []
+    for checkpointed in (False, True):
+        model = copy.deepcopy(tiny_models[kind]).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        torch.manual_seed(0)  # the same encoding initialisation both times
+        with patch_vision(model, 'rope_mixed+peg'):
+            model(**inputs(kind)).last_hidden_state.sum().backward()
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any('vispe_pe' in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=1e-6, msg=name)
 
 
 # ------------------------------------------------------------------ refusals

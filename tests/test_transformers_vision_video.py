@@ -371,3 +371,22 @@ def test_vjepa2_refusals(vjepa2_model):
             model(**vjepa2_inputs((4, 36, 32)))
         with pytest.raises(ValueError, match=r'pixel_values_videos must be a \(B, frames, C, H, W\) tensor'):
             model(pixel_values_videos=torch.randn(2, 3, 32, 32))
+
+
+@pytest.mark.parametrize('kind', list(VIDEO_FAMILIES))
+def test_gradient_checkpointing_gives_the_gradients_of_a_plain_backward(request, kind):
+    """These towers do not pass keyword arguments down, and transformers recomputes a checkpointed layer's
+    forward in backward, after the tower's forward has ended: the layer keeps its forward for it."""
+    fixture, inputs, call = VIDEO_FAMILIES[kind]
+    grads = []
+    for checkpointed in (False, True):
+        model = copy.deepcopy(request.getfixturevalue(fixture)).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        torch.manual_seed(0)
+        with patch_vision(model, 'rope_axial+peg'):
+            model(**inputs(), **call).last_hidden_state.sum().backward()
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any('vispe_pe' in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=1e-6, msg=name)

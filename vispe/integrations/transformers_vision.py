@@ -784,12 +784,17 @@ class VisionPatch(ModelPatch):
         self.spec, self.report = spec, report
         self._full_layers = frozenset(getattr(tower.config, 'fullatt_block_indexes', None) or ())
         self._forwards: List[_Forward] = []  # the forward running, for the embeddings (and unthreaded attentions)
+        # gradient checkpointing in a tower that does not pass its keyword arguments down: each checkpointed
+        # layer's forward, kept until the next forward begins, for its recomputation in backward (transformers
+        # checkpoints the layer's forward, inside its hooks, after the tower's forward has ended)
+        self._checkpointed: Dict[int, _Forward] = {}
 
     # ------------------------------------------------------------------ one forward
     def _begin(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
                ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """The tower's forward pre-hook: this forward's positions, the encoding prepared once for them and
         added to the call's keyword arguments, which transformers threads to every attention."""
+        self._checkpointed = {}
         pos = self.family.positions(self.family, tower, args, kwargs)
         if isinstance(pos, VarlenLayout):  # a packed tower: the frames' positions, and its windows' if any
             windows = pos.windows
@@ -810,6 +815,12 @@ class VisionPatch(ModelPatch):
         self._forwards.append(current)
         return args, {**kwargs, PREPARED_KWARG: current.prepared}
 
+    def _layer_begin(self, index: int, layer: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Forward pre-hook of layer ``index`` of a tower that does not thread keyword arguments: a checkpointed
+        layer keeps this forward for the recomputation of its attentions in backward."""
+        if self._forwards and getattr(layer, 'gradient_checkpointing', False) and torch.is_grad_enabled():
+            self._checkpointed[index] = self._forwards[-1]
+
     def _end(self, tower: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         """The tower's forward hook (also when the forward raises): packed tokens back in canvas order;
         nothing of this forward stays."""
@@ -827,14 +838,18 @@ class VisionPatch(ModelPatch):
                                f"tower's forward, which prepares the encoding; call the tower (or the model)")
         return self._forwards[-1]
 
-    def _prepared(self, kwargs: Dict[str, Any], what: str) -> PreparedPE:
-        """The prepared encoding of this forward: from the call's keyword arguments, or from the running
-        forward for a family whose tower does not pass them down."""
+    def _prepared(self, kwargs: Dict[str, Any], what: str, layer: Optional[int] = None) -> PreparedPE:
+        """The prepared encoding of this forward: from the call's keyword arguments, or, for a family whose
+        tower does not pass them down, from the running forward (or, recomputed by gradient checkpointing in
+        backward, the forward that layer ``layer`` kept)."""
         prepared = kwargs.get(PREPARED_KWARG)
         if prepared is not None:
             return prepared
-        if not self.family.threads_kwargs and self._forwards:
-            return self._forwards[-1].prepared
+        if not self.family.threads_kwargs:
+            if self._forwards:
+                return self._forwards[-1].prepared
+            if layer in self._checkpointed:
+                return self._checkpointed[layer].prepared
         raise RuntimeError(f'patch_vision: {what} of the patched {self.family.label} was called without '
                            f'{PREPARED_KWARG}=: it runs inside the patched tower\'s forward, which prepares the '
                            f'encoding and passes it down with the layers\' keyword arguments')
@@ -887,7 +902,7 @@ class VisionPatch(ModelPatch):
                    *args: Any, **kwargs: Any) -> Tuple[Tensor, None]:
         """The forward of one self-attention ``module`` of the tower (its q/k/v projections, `vispe.pe_attention`
         with the prepared encoding from the call's keyword arguments, its output projection)."""
-        prepared = self._prepared(kwargs, f'attention {layer}')
+        prepared = self._prepared(kwargs, f'attention {layer}', layer)
         b, n, _ = hidden_states.shape
         fam = self.family
         if fam.layout == 'canvas':  # the host's mask is in canvas order; the tokens run packed
@@ -931,7 +946,7 @@ class VisionPatch(ModelPatch):
         with the encoding prepared for them and a mask of the padded keys, the output unpacked into the
         host's order, its output projection. The host's segments (``cu_seqlens``, a block-diagonal mask)
         and rotary tables are not read: the layout of this forward gives the same segments."""
-        prepared: Optional[PreparedPE] = self._prepared(kwargs, f'attention {layer}')
+        prepared: Optional[PreparedPE] = self._prepared(kwargs, f'attention {layer}', layer)
         current = self._running(kwargs, f'attention {layer}')
         fam = self.family
         packing = current.layout.frames
@@ -998,12 +1013,15 @@ class VisionPatch(ModelPatch):
             self.set(attn, 'forward', partial(attention, attn, i), f'{fam.layers}.{i}.{fam.attention}')
             if caps.between_blocks:
                 self.add_hook(layer, partial(self._between_blocks, i), with_kwargs=True, label=f'{fam.layers}.{i}')
+            if not fam.threads_kwargs:
+                self.add_hook(layer, partial(self._layer_begin, i), 'forward_pre', with_kwargs=True,
+                              label=f'{fam.layers}.{i}')
         self.activate()
 
     def remove(self) -> None:
         """Restore the instance: the original modules and attributes, no hooks, no ``vispe_pe``."""
         super().remove()
-        self._forwards = []
+        self._forwards, self._checkpointed = [], {}
 
     def __repr__(self) -> str:
         return (f'VisionPatch({type(self.model).__name__}, family={self.family.label!r}, '
