@@ -706,7 +706,7 @@ PUBLISHED_ORDERINGS: Tuple[PublishedOrdering, ...] = (
     PublishedOrdering('rope_axial', 'learned', 2.0, 'ComRoPE (224 -> 512 px, 2.3x): RoPE 51.11 vs APE 50.99'),
     PublishedOrdering('peg', 'learned', 2.0, 'CPVT (DeiT-tiny, 224 -> 512 px, 2.3x): CPVT-Ti 70.3 vs DeiT-tiny 65.9'),
 )
-"""Published pairwise orderings, as ENCODINGS.md and the encoding pages state them (no other source
+"""Published pairwise orderings, as the encoding pages state them (no other source
 consulted). ComRoPE's "RoPE" is matched with ``rope_axial`` and its APE with ``learned``; LookHere's
 "2D RoPE" with both RoPE-ViT variants."""
 
